@@ -1,0 +1,225 @@
+"""Structured-config schemas: every key a user can set, with its type and default.
+
+Hydra merges the YAML files of each group into these dataclasses, so a typo in an override or a
+value of the wrong type fails at composition and names the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from omegaconf import MISSING
+
+
+@dataclass
+class DraftConfig:
+    """Shape of the one-layer draft head (EAGLE3.md section 1)."""
+
+    hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = MISSING
+    intermediate_size: int = MISSING
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    # Residual of the decoder layer taken before the hidden norm: the only variant SGLang serves.
+    norm_before_residual: bool = False
+
+
+@dataclass
+class ModelConfig:
+    """The target model: identity, where its weights come from, true dimensions, aux layers, draft shape."""
+
+    name: str = MISSING
+    # transformers model_type of the target (llama, qwen3, deepseek_v3, kimi_k25, ...).
+    architecture: str = MISSING
+    # Where the weights come from: "gguf_package" (a GGUF file shipped in a pip package), "path" (a local
+    # Hugging Face folder given by the user in `path`), "random" (random init from the dims below: tests, benchmarks).
+    source: str = "path"
+    path: str | None = None
+    gguf_package: str | None = None
+    gguf_file: str | None = None
+    # Tokenizer folder when it is not next to the weights; null = from `path`, or from the GGUF file.
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    # Dotted attribute path of the decoder layers; null = discover (model.layers, language_model.model.layers, ...).
+    layer_path: str | None = None
+    chat_template: str | None = None
+    # dtype the target runs in on this machine: float32 on CPU, bfloat16 on GPUs.
+    dtype: str = "auto"
+
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = MISSING
+    intermediate_size: int = MISSING
+    vocab_size: int = MISSING
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    # Mixture of experts (0 = dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    # Multi-head latent attention (DeepSeek-V3, Kimi-K2); 0 = standard attention.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Parameter counts in billions, from the model card; planning uses them.
+    total_params_b: float = 0.0
+    active_params_b: float = 0.0
+    weight_bits: int = 16
+
+    # Residual-stream ids the draft reads: id k = the input of decoder layer k. null = (2, L//2, L-3).
+    aux_layer_ids: list[int] | None = None
+    draft_vocab_size: int = 32000
+    draft: DraftConfig = field(default_factory=DraftConfig)
+
+
+@dataclass
+class DatasetConfig:
+    """Conversation JSONL files in the shared schema {"id", "conversations": [{"role", "content"}]}."""
+
+    name: str = MISSING
+    paths: list[str] = MISSING
+    license: str = "unknown"
+    # Keep at most this many conversations (in file order, per file); null = all.
+    max_records_per_file: int | None = None
+    description: str = ""
+
+
+@dataclass
+class HardwareConfig:
+    """A machine (or cluster) and how Lightning should use it."""
+
+    name: str = MISSING
+    accelerator: str = "cpu"
+    gpu: str = "none"
+    devices: int = 1
+    num_nodes: int = 1
+    memory_gb_per_device: float = 0.0
+    # Dense bf16 matmul rate per device (TFLOP/s) and memory bandwidth (GB/s), from datasheets.
+    bf16_tflops: float = 0.0
+    memory_bandwidth_gbs: float = 0.0
+    # Device-to-device link: "none", "pcie" or "nvlink"; bandwidth per device in GB/s (one direction).
+    interconnect: str = "none"
+    interconnect_bandwidth_gbs: float = 0.0
+    disk_tb: float = 0.0
+    cpu_cores: int = 0
+    # Lightning settings.
+    precision: str = "32-true"
+    strategy: str = "auto"
+    # Packed tokens per device per micro-batch during training.
+    tokens_per_device: int = 4096
+    # Multi-node launch (SLURM through submitit); empty on single machines.
+    slurm_partition: str | None = None
+    slurm_time_min: int = 0
+    slurm_gpus_per_node: int = 0
+
+
+@dataclass
+class RegenerateConfig:
+    """Replace assistant turns by the target's own answers before extraction."""
+
+    enabled: bool = False
+    max_new_tokens: int = 256
+    # 0 = greedy.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 16
+    seed: int = 0
+    # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
+    endpoint: str | None = None
+    concurrency: int = 16
+    max_retries: int = 5
+    thinking: bool = False
+
+
+@dataclass
+class VllmConfig:
+    """vLLM backend settings."""
+
+    url: str | None = None
+    tensor_parallel_size: int | None = None
+    enable_expert_parallel: bool = False
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None
+
+
+@dataclass
+class ExtractConfig:
+    """Hidden-state extraction into shards."""
+
+    backend: str = "transformers"
+    # Shard folder; null = ${paths.data_dir}/<model>/<dataset>.
+    output_dir: str | None = None
+    max_length: int = 2048
+    # Padded tokens per forward batch (sequences are length-bucketed to keep padding low).
+    batch_tokens: int = 16384
+    # Tokens per shard file.
+    shard_tokens: int = 1_000_000
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    overwrite: bool = False
+    strict: bool = False
+    # Keep at most this many conversations in total after loading; null = all.
+    max_conversations: int | None = None
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+
+@dataclass
+class TrainerConfig:
+    """Training of the draft head (KD + training-time test)."""
+
+    ttt_steps: int = 3
+    step_loss_decay: float = 1.0
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.01
+    grad_clip: float = 1.0
+    max_epochs: int = 1
+    max_steps: int = -1
+    # Tokens per optimizer step, summed over devices and accumulation; the same on every hardware.
+    global_batch_tokens: int = 8192
+    val_fraction: float = 0.05
+    val_every_n_steps: int = 50
+    seed: int = 0
+    num_workers: int = 0
+    lm_head_trainable: bool = True
+    mask_outside_draft_vocab: bool = False
+    feature_noise_std: float = 0.0
+    loss_chunk_tokens: int = 2048
+    devices: int | None = None
+    strategy: str | None = None
+
+
+@dataclass
+class PathsConfig:
+    """Where eaglet reads and writes."""
+
+    # Root of the shared prompt data; the dataset files refer to it.
+    shared_data: str = MISSING
+    # Derived data (regenerated conversations, shards) and converted weights.
+    data_dir: str = MISSING
+    cache_dir: str = MISSING
+    output_dir: str = MISSING
+
+
+@dataclass
+class EagletConfig:
+    """The composed config of every entry point."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    seed: int = 0
+    ckpt_path: str | None = None

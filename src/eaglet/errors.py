@@ -1,0 +1,13 @@
+"""Errors a user can act on: each says what was wrong, where, and what to do."""
+
+
+class EagletError(Exception):
+    """Base class of every error eaglet reports to a user (printed without a traceback)."""
+
+
+class ConfigError(EagletError):
+    """A config value is invalid or inconsistent with the data or the machine."""
+
+
+class DataError(EagletError):
+    """Input data (JSONL, shards, manifests) is malformed or inconsistent."""

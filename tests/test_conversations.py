@@ -1,0 +1,207 @@
+"""Loading and validating JSONL conversations."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from eaglet.data.conversations import Conversation, Turn, load_conversations, read_jsonl_conversations
+from eaglet.errors import ConfigError, DataError
+
+OASST = Path("/work/shared/data/oasst_en100.jsonl")
+
+
+def record(cid: str, *roles: str) -> dict:
+    return {"id": cid, "conversations": [{"role": role, "content": f"{role} text"} for role in roles]}
+
+
+def write_jsonl(path: Path, *lines: object) -> Path:
+    """Write `lines` (dicts are JSON-encoded, strings written verbatim) one per line."""
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+def test_reads_turns_and_locations(tmp_path):
+    path = write_jsonl(
+        tmp_path / "a.jsonl", record("a-0", "system", "user", "assistant"), "", record("a-1", "user")
+    )
+    conversations = list(read_jsonl_conversations(path))
+    assert [c.id for c in conversations] == ["a-0", "a-1"]
+    assert conversations[0].turns == (
+        Turn("system", "system text"),
+        Turn("user", "user text"),
+        Turn("assistant", "assistant text"),
+    )
+    assert [c.line for c in conversations] == [1, 3]  # the blank line 2 is skipped but still counted
+    assert conversations[1].source == str(path)
+    assert conversations[0].has_assistant() and not conversations[1].has_assistant()
+    assert conversations[0].to_json() == record("a-0", "system", "user", "assistant")
+
+
+BAD_LINES = [
+    ('{"id": "x", "conversations": [', "not valid JSON"),
+    ('["a", "b"]', "expected a JSON object, got an array"),
+    ('{"conversations": [{"role": "user", "content": "q"}]}', "missing key 'id'"),
+    ('{"id": 7, "conversations": [{"role": "user", "content": "q"}]}', "key 'id' must be a non-empty string"),
+    ('{"id": "", "conversations": [{"role": "user", "content": "q"}]}', "got an empty string"),
+    ('{"id": "x"}', "missing key 'conversations'"),
+    ('{"id": "x", "conversations": {"role": "user"}}', "'conversations' must be a non-empty list"),
+    ('{"id": "x", "conversations": []}', "got an empty list"),
+    ('{"id": "x", "conversations": ["hello"]}', "key 'conversations[0]' must be an object"),
+    ('{"id": "x", "conversations": [{"content": "q"}]}', "key 'conversations[0]' has no 'role'"),
+    ('{"id": "x", "conversations": [{"role": "user"}]}', "key 'conversations[0]' has no 'content'"),
+    (
+        '{"id": "x", "conversations": [{"role": "user", "content": 3}]}',
+        "'conversations[0].content' must be a string",
+    ),
+    (
+        '{"id": "x", "conversations": [{"role": null, "content": "q"}]}',
+        "'conversations[0].role' must be a string",
+    ),
+]
+
+
+@pytest.mark.parametrize(("bad_line", "expected"), BAD_LINES)
+def test_bad_record_names_file_and_line(tmp_path, bad_line, expected):
+    path = write_jsonl(tmp_path / "bad.jsonl", record("ok-0", "user", "assistant"), "", bad_line)
+    with pytest.raises(DataError) as info:
+        load_conversations([path])
+    message = str(info.value)
+    assert f"{path}:3" in message
+    assert expected in message
+
+
+def test_unknown_role_lists_allowed_roles(tmp_path):
+    path = write_jsonl(tmp_path / "roles.jsonl", record("r-0", "user", "gpt"))
+    with pytest.raises(DataError, match=r"roles.jsonl:1: key 'conversations\[1\].role' is 'gpt'") as info:
+        load_conversations([path])
+    assert "system, user, assistant" in str(info.value)
+
+
+def test_invalid_utf8_names_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(record("u-0", "user", "assistant")).encode() + b'\n{"id": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not valid UTF-8"):
+        load_conversations([path])
+
+
+def test_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(record("b-0", "user", "assistant")).encode() + b"\n")
+    conversations, _ = load_conversations([path])
+    assert conversations[0].id == "b-0"
+
+
+def test_missing_file(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", record("g-0", "user", "assistant"))
+    with pytest.raises(DataError, match="not found") as info:
+        load_conversations([good, tmp_path / "nope.jsonl"])
+    assert "nope.jsonl" in str(info.value)
+    with pytest.raises(DataError, match="nope.jsonl"):
+        list(read_jsonl_conversations(tmp_path / "nope.jsonl"))
+
+
+def test_bad_arguments(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", record("a-0", "user", "assistant"))
+    with pytest.raises(ConfigError, match="no dataset files"):
+        load_conversations([])
+    with pytest.raises(ConfigError, match="max_records"):
+        load_conversations([path], max_records=0)
+    with pytest.raises(ConfigError, match="more than once"):
+        load_conversations([path, str(path)])
+
+
+def test_duplicate_id_across_files_names_both_places(tmp_path):
+    first = write_jsonl(
+        tmp_path / "first.jsonl", record("a", "user", "assistant"), record("dup", "user", "assistant")
+    )
+    second = write_jsonl(
+        tmp_path / "second.jsonl", record("b", "user", "assistant"), record("dup", "user", "assistant")
+    )
+    with pytest.raises(DataError, match="duplicate id 'dup'") as info:
+        load_conversations([first, second])
+    message = str(info.value)
+    assert f"{second}:2" in message and f"{first}:2" in message
+
+
+def test_empty_dataset_names_the_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    blank = write_jsonl(tmp_path / "blank.jsonl", "", "   ")
+    with pytest.raises(DataError, match="no records") as info:
+        load_conversations([empty, blank])
+    assert str(empty) in str(info.value) and str(blank) in str(info.value)
+
+
+def test_no_assistant_is_skipped_and_counted(tmp_path):
+    path = write_jsonl(
+        tmp_path / "mixed.jsonl",
+        record("m-0", "user", "assistant"),
+        record("m-1", "user"),
+        record("m-2", "system", "user", "assistant", "user"),
+        record("m-3", "system", "user"),
+    )
+    conversations, stats = load_conversations([path])
+    assert [c.id for c in conversations] == ["m-0", "m-2"]
+    assert (stats.records, stats.kept, stats.skipped_no_assistant) == (4, 2, 2)
+    assert stats.per_file == {str(path): 2}
+
+    everything, stats = load_conversations([path], require_assistant=False)
+    assert len(everything) == 4 and stats.skipped_no_assistant == 0
+
+    with pytest.raises(DataError, match=r"mixed.jsonl:2: conversation 'm-1' has no assistant turn"):
+        load_conversations([path], strict=True)
+
+
+def test_prompt_only_data_needs_require_assistant_false(tmp_path):
+    path = write_jsonl(tmp_path / "prompts.jsonl", record("p-0", "user"), record("p-1", "user"))
+    with pytest.raises(DataError, match="require_assistant=False"):
+        load_conversations([path])
+    conversations, _ = load_conversations([path], require_assistant=False)
+    assert len(conversations) == 2
+
+
+def test_empty_content_kept_unless_strict(tmp_path):
+    empty = {
+        "id": "e-0",
+        "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
+    }
+    path = write_jsonl(tmp_path / "empty_content.jsonl", record("e-1", "user", "assistant"), empty)
+    conversations, stats = load_conversations([path])
+    assert [c.id for c in conversations] == ["e-1", "e-0"] and stats.empty_content_turns == 1
+    with pytest.raises(DataError, match=r"empty_content.jsonl:2: key 'conversations\[1\].content' is empty"):
+        load_conversations([path], strict=True)
+
+
+def test_max_records_keeps_first_kept_records_in_file_order(tmp_path):
+    first = write_jsonl(tmp_path / "1.jsonl", record("a-0", "user", "assistant"), record("a-1", "user"))
+    second = write_jsonl(
+        tmp_path / "2.jsonl",
+        record("b-0", "user", "assistant"),
+        record("b-1", "user", "assistant"),
+        "{broken",
+    )
+    conversations, stats = load_conversations([first, second], max_records=2)
+    assert [c.id for c in conversations] == ["a-0", "b-0"]
+    assert stats.hit_max_records and stats.skipped_no_assistant == 1
+    assert stats.per_file == {str(first): 1, str(second): 1}
+    # Without the cap the broken line at the end is read and reported.
+    with pytest.raises(DataError, match=r"2.jsonl:3"):
+        load_conversations([first, second])
+    conversations, _ = load_conversations([first, second], max_records=3, require_assistant=False)
+    assert [c.id for c in conversations] == ["a-0", "a-1", "b-0"]
+    conversations, stats = load_conversations([first], max_records=10)
+    assert len(conversations) == 1 and not stats.hit_max_records
+
+
+@pytest.mark.skipif(not OASST.is_file(), reason="shared data not mounted")
+def test_real_multi_turn_file():
+    conversations, stats = load_conversations([OASST], strict=True)
+    assert stats.records == stats.kept == len(conversations) == 95
+    assert Counter(len(c.turns) for c in conversations) == {4: 52, 2: 42, 6: 1}
+    assert all(isinstance(c, Conversation) and c.turns[0].role == "user" for c in conversations)
+    assert [c.line for c in conversations] == list(range(1, 96))
+    with OASST.open(encoding="utf-8") as handle:
+        assert [json.loads(line) for line in handle] == [c.to_json() for c in conversations]
