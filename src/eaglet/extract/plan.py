@@ -1,0 +1,44 @@
+"""Deterministic assignment of sequences to shards and of shard sequences to forward batches.
+
+The plan depends only on sequence lengths and the configured budgets, so a resumed run recomputes
+exactly the same shards and batches as the run it continues (byte-identical shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[range]:
+    """Consecutive sample ranges of at most `shard_tokens` tokens each (one long sequence may exceed it)."""
+    shards: list[range] = []
+    start, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        if tokens and tokens + n > shard_tokens:
+            shards.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        shards.append(range(start, len(lengths)))
+    return shards
+
+
+def plan_batches(lengths: Sequence[int], indices: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Length-bucketed batches whose padded size (rows x longest) stays within `batch_tokens`."""
+    order = sorted(indices, key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        # Sorted ascending, so the newest sequence is the longest of the batch.
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def bytes_per_token(num_aux: int, hidden_size: int, itemsize: int) -> int:
+    """Stored bytes of one token: aux + last hidden states, plus int32 id and uint8 mask."""
+    return (num_aux + 1) * hidden_size * itemsize + 5

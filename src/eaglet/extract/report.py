@@ -1,0 +1,41 @@
+"""The printed summary of an extraction run."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from eaglet.extract.pipeline import ExtractSummary
+from eaglet.fsutil import human_bytes
+
+
+def print_summary(summary: ExtractSummary, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"extraction: {summary.output_dir}", show_header=False)
+    rows = [
+        ("sequences", f"{summary.sequences:,}"),
+        ("tokens", f"{summary.tokens:,}"),
+        (
+            "loss-masked tokens",
+            f"{summary.masked_tokens:,} ({summary.masked_tokens / max(summary.tokens, 1):.0%})",
+        ),
+        ("truncated / skipped", f"{summary.truncated:,} / {summary.skipped:,}"),
+        ("shards (resumed)", f"{summary.shards} ({summary.resumed_shards})"),
+        (
+            "bytes on disk",
+            f"{human_bytes(summary.bytes_on_disk)} ({summary.bytes_on_disk / max(summary.tokens, 1):,.0f} B/token)",
+        ),
+        ("extraction", f"{summary.seconds:.1f} s, {summary.tokens_per_second:,.0f} tokens/s"),
+    ]
+    rg = summary.regenerate
+    if rg is not None:
+        rows.append(
+            (
+                "regeneration",
+                f"{rg.generated_turns:,} turns, {rg.generated_tokens:,} tokens in {rg.seconds:.1f} s "
+                f"({rg.resumed} conversations resumed, {rg.cut_for_length} cut for length)",
+            )
+        )
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
