@@ -150,8 +150,7 @@ def run_extraction(cfg: EagletConfig) -> ExtractSummary:
     _write_target_head(out_dir, target)
 
     start = time.perf_counter()
-    resumed = len(manifest.shards)
-    written_tokens = _write_shards(cfg, target, samples, aux_ids, out_dir, manifest)
+    written_tokens, resumed = _write_shards(cfg, target, samples, aux_ids, out_dir, manifest)
     seconds = time.perf_counter() - start
 
     counts = count_tokens(
@@ -335,12 +334,13 @@ def _write_shards(
     aux_ids: list[int],
     out_dir: Path,
     manifest: Manifest,
-) -> int:
-    """Write every planned shard the manifest does not record yet; returns tokens processed."""
+) -> tuple[int, int]:
+    """Write every planned shard the manifest does not record yet; returns (tokens processed, shards kept)."""
     ext = cfg.extract
     lengths = [s.num_tokens for s in samples]
     plan = plan_shards(lengths, ext.shard_tokens)
     _check_resumable(plan, manifest, out_dir)
+    kept = len(manifest.shards)
     dtype = STORED_DTYPES[ext.dtype]
     todo = plan[len(manifest.shards) :]
     total = sum(lengths[i] for r in todo for i in r)
@@ -358,7 +358,7 @@ def _write_shards(
             info = write_shard(out_dir, index, [features[i] for i in plan[index]], dtype)
             manifest.shards.append(info)
             write_manifest(out_dir, manifest)
-    return processed
+    return processed, kept
 
 
 def _check_resumable(plan: list[range], manifest: Manifest, out_dir: Path) -> None:

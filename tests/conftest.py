@@ -1,0 +1,35 @@
+"""Shared fixtures: config composition through Hydra's compose API, and a session-wide model cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import hydra
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+import eaglet.config
+
+os.environ["WANDB_MODE"] = "disabled"
+PROJECT_ROOT = eaglet.config.PROJECT_ROOT
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One converted-model/tokenizer cache for the whole session (the GGUF tokenizer is slow to read)."""
+    return Path(os.environ.get("EAGLET_TEST_CACHE") or tmp_path_factory.mktemp("model-cache"))
+
+
+@pytest.fixture
+def compose(model_cache: Path) -> Iterator[Callable[..., DictConfig]]:
+    """compose(*overrides) -> the composed config, exactly as the entry points see it."""
+
+    def _compose(*overrides: str) -> DictConfig:
+        with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
+            return hydra.compose("config", overrides=[f"paths.cache_dir={model_cache}", *overrides])
+
+    yield _compose
+    GlobalHydra.instance().clear()

@@ -1,0 +1,210 @@
+"""The extraction stage end to end on a tiny random Llama: shards, manifest, counts, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglet.config import PROJECT_ROOT
+from eaglet.errors import ConfigError, DataError
+from eaglet.extract.pipeline import TARGET_HEAD_FILE, run_extraction
+from eaglet.shards import ShardReader, load_token_counts, read_manifest
+from eaglet.target import load_target
+
+SHARED = PROJECT_ROOT.parent / "shared" / "data"
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def some_records(n: int = 12) -> list[dict]:
+    rows = [json.loads(line) for line in (SHARED / "oasst_en100.jsonl").read_text().splitlines()[:n]]
+    return rows
+
+
+def overrides(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "model=tiny_llama",
+        "dataset=jsonl",
+        f"dataset.paths=[{data}]",
+        "extract.regenerate.enabled=false",
+        f"extract.output_dir={out}",
+        "extract.max_length=256",
+        "extract.shard_tokens=600",
+        "extract.batch_tokens=512",
+        *extra,
+    ]
+
+
+def test_shards_manifest_and_counts(compose, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records())
+    cfg = compose(*overrides(data, tmp_path / "out"))
+    summary = run_extraction(cfg)
+    manifest = read_manifest(tmp_path / "out")
+    assert manifest.complete and len(manifest.shards) > 2
+    assert manifest.aux_layer_ids == [2, 3, 3] and manifest.last_layer_id == 6
+    reader = ShardReader(tmp_path / "out", verify=True)
+    assert len(reader) == summary.sequences == 12 - summary.skipped
+    # bytes per token: (n_aux + 1) * H * 2 (bf16) + 4 (id) + 1 (mask), plus small per-shard metadata.
+    per_token = summary.bytes_on_disk / summary.tokens
+    assert 4 * 64 * 2 + 5 <= per_token < 4 * 64 * 2 + 5 + 8
+    counts = load_token_counts(tmp_path / "out")
+    masked = np.concatenate(
+        [
+            reader.sequence(i)["input_ids"].numpy()[reader.sequence(i)["loss_mask"].numpy() == 1]
+            for i in range(len(reader))
+        ]
+    )
+    assert int(counts.sum()) == masked.size == summary.masked_tokens
+    assert int(counts[int(masked[0])]) == int((masked == masked[0]).sum())
+
+
+def test_features_rebuild_the_targets_own_logits(compose, tmp_path: Path, model_cache: Path) -> None:
+    """lm_head(final_norm(last_hidden_state)) from the shard equals the target's logits (norm applied once)."""
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(3))
+    cfg = compose(*overrides(data, tmp_path / "out", "extract.dtype=float32"))
+    run_extraction(cfg)
+    reader = ShardReader(tmp_path / "out")
+    head = load_file(tmp_path / "out" / TARGET_HEAD_FILE)
+    target = load_target(cfg.model, device="cpu", cache_dir=model_cache)
+    seq = reader.sequence(0)
+    ids = seq["input_ids"].long()[None]
+    with torch.no_grad():
+        logits = target.model(ids).logits[0]
+    last = seq["last_hidden_state"].float()
+    normed = (
+        last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + cfg.model.rms_norm_eps) * head["norm.weight"]
+    )
+    torch.testing.assert_close(normed @ head["lm_head.weight"].T, logits, atol=1e-4, rtol=1e-4)
+    hidden = target.model(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(seq["aux_hidden_states"][:, 0], hidden[2][0], atol=1e-5, rtol=1e-5)
+
+
+def test_rerun_is_a_no_op_and_other_inputs_are_refused(compose, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(4))
+    out = tmp_path / "out"
+    run_extraction(compose(*overrides(data, out)))
+    before = {p.name: p.read_bytes() for p in out.glob("shard-*")}
+    again = run_extraction(compose(*overrides(data, out)))
+    assert again.resumed_shards == again.shards
+    assert before == {p.name: p.read_bytes() for p in out.glob("shard-*")}
+    with pytest.raises(ConfigError, match="extract.overwrite=true"):
+        run_extraction(compose(*overrides(data, out, "extract.max_length=128")))
+    replaced = run_extraction(
+        compose(*overrides(data, out, "extract.max_length=128", "extract.overwrite=true"))
+    )
+    assert replaced.resumed_shards == 0
+    assert read_manifest(out).settings["max_length"] == 128
+
+
+def test_a_damaged_recorded_shard_is_written_again(compose, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(6))
+    out = tmp_path / "out"
+    run_extraction(compose(*overrides(data, out)))
+    original = (out / "shard-00001.safetensors").read_bytes()
+    (out / "shard-00001.safetensors").write_bytes(original[:100])
+    summary = run_extraction(compose(*overrides(data, out)))
+    assert summary.resumed_shards == 1
+    assert (out / "shard-00001.safetensors").read_bytes() == original
+
+
+def test_disk_too_small_is_refused_before_work(
+    compose, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 10))
+    with pytest.raises(ConfigError, match="not enough disk"):
+        run_extraction(compose(*overrides(data, tmp_path / "out")))
+    assert not list((tmp_path / "out").glob("shard-*"))
+
+
+def test_empty_and_assistant_less_data(compose, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="empty"):
+        run_extraction(compose(*overrides(empty, tmp_path / "out")))
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"id": "a", "conversations": [{"role": "user", "content": "hi"}]}]
+    )
+    with pytest.raises(DataError, match="assistant"):
+        run_extraction(compose(*overrides(prompts, tmp_path / "out")))
+
+
+def test_layer_id_out_of_range(compose, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
+    with pytest.raises(ConfigError, match="aux_layer_ids"):
+        run_extraction(compose(*overrides(data, tmp_path / "out", "model.aux_layer_ids=[2,3,9]")))
+
+
+def extract_cmd(data: Path, out: Path, cache: Path) -> list[str]:
+    return [
+        sys.executable,
+        str(PROJECT_ROOT / "extract.py"),
+        *overrides(data, out, "extract.shard_tokens=300"),
+        f"paths.cache_dir={cache}",
+    ]
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "process ended"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+@pytest.mark.e2e
+def test_killed_runs_resume_to_byte_identical_shards(tmp_path: Path, model_cache: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(24))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    reference = tmp_path / "reference"
+    subprocess.run(extract_cmd(data, reference, model_cache), check=True, env=env, capture_output=True)
+    expected = {p.name: p.read_bytes() for p in reference.glob("shard-*")}
+    assert len(expected) >= 6
+
+    out = tmp_path / "killed"
+    for kill_after in ("shard-00000.safetensors", "shard-00002.safetensors", "shard-00004.safetensors"):
+        proc = subprocess.Popen(
+            extract_cmd(data, out, model_cache), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        wait_for(out / kill_after, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not read_manifest(out).complete
+    done = subprocess.run(extract_cmd(data, out, model_cache), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "resumed" in done.stdout
+    assert {p.name: p.read_bytes() for p in out.glob("shard-*")} == expected
+    assert read_manifest(out).complete
+    assert (out / "token_counts.safetensors").read_bytes() == (
+        reference / "token_counts.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.e2e
+def test_bad_input_ends_in_one_clear_line(tmp_path: Path, model_cache: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "conversations": [{"role": "user", "content": "hi"}]}\n{not json\n')
+    proc = subprocess.run(extract_cmd(bad, tmp_path / "out", model_cache), capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert f"{bad}:2" in proc.stderr
+    typo = subprocess.run(
+        [*extract_cmd(bad, tmp_path / "out", model_cache), "extract.bach_tokens=4"],
+        capture_output=True,
+        text=True,
+    )
+    assert typo.returncode != 0 and "bach_tokens" in typo.stderr
