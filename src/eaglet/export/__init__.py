@@ -1,0 +1,1 @@
+"""Serving formats for trained draft heads."""

@@ -1,0 +1,1 @@
+"""Training of the draft head: the KD teacher and loss, and the training-time-test unroll."""

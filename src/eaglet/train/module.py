@@ -1,0 +1,157 @@
+"""The LightningModule that trains an Eagle3DraftHead with KD + training-time test.
+
+Hyperparameters are primitives only (plain dicts and numbers), so checkpoints load with
+`weights_only=True`. The target's final norm and lm_head are non-persistent buffers: they come from the
+shard folder's target_head.safetensors, not from checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from eaglet.config.schema import DraftConfig
+from eaglet.model.draft_head import Eagle3DraftHead
+from eaglet.train.ttt import TTTOutput, tau_sim, ttt_forward
+
+
+class DraftHeadModule(L.LightningModule):
+    def __init__(
+        self,
+        *,
+        draft: dict[str, Any],
+        target_hidden_size: int,
+        vocab_size: int,
+        draft_vocab_size: int,
+        num_aux: int,
+        target_norm_eps: float,
+        ttt_steps: int,
+        step_loss_decay: float,
+        lr: float,
+        weight_decay: float,
+        warmup_ratio: float,
+        total_steps: int,
+        lm_head_trainable: bool,
+        mask_outside_draft_vocab: bool,
+        feature_noise_std: float,
+        loss_chunk_tokens: int,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.head = Eagle3DraftHead(
+            DraftConfig(**draft),
+            target_hidden_size=target_hidden_size,
+            vocab_size=vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            num_aux=num_aux,
+        )
+        self.register_buffer("target_norm_weight", torch.ones(target_hidden_size), persistent=False)
+        self.register_buffer("target_lm_head", torch.zeros(vocab_size, target_hidden_size), persistent=False)
+        self._val_sums: dict[str, Tensor] = {}
+        self._step_start = 0.0
+
+    def init_from_target(
+        self, head_weights: dict[str, Tensor], d2t: Tensor, t2d: Tensor, *, load_head: bool = True
+    ) -> None:
+        """Frozen target tensors; with `load_head`, also the head's embedding and lm_head rows."""
+        self.target_norm_weight.copy_(head_weights["norm.weight"])
+        self.target_lm_head.copy_(head_weights["lm_head.weight"])
+        if load_head:
+            self.head.init_from_target(
+                head_weights["embed_tokens.weight"],
+                head_weights["lm_head.weight"],
+                d2t,
+                t2d,
+                lm_head_trainable=self.hparams.lm_head_trainable,
+            )
+
+    def _run(self, batch: dict[str, Tensor], *, noise: bool) -> TTTOutput:
+        hp = self.hparams
+        if noise and hp.feature_noise_std > 0:
+            aux = batch["aux_hidden_states"]
+            batch = {**batch, "aux_hidden_states": aux + torch.randn_like(aux) * hp.feature_noise_std}
+        return ttt_forward(
+            self.head,
+            batch,
+            target_norm_weight=self.target_norm_weight,
+            target_norm_eps=hp.target_norm_eps,
+            target_lm_head=self.target_lm_head,
+            ttt_steps=hp.ttt_steps,
+            step_loss_decay=hp.step_loss_decay,
+            mask_outside_draft_vocab=hp.mask_outside_draft_vocab,
+            chunk_tokens=hp.loss_chunk_tokens,
+        )
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        out = self._run(batch, noise=True)
+        metrics = {"train/loss": out.loss.detach()}
+        for k in range(self.hparams.ttt_steps):
+            metrics[f"train/loss_{k}"] = out.step_losses[k]
+            if out.step_counts[k] > 0:
+                metrics[f"train/acc_{k}"] = out.step_correct[k].float() / out.step_counts[k]
+        self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False)
+        self.log("train/real_tokens", float(batch["num_real_tokens"]), on_step=True, reduce_fx="sum")
+        return out.loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        seconds = time.perf_counter() - self._step_start
+        tokens = float(batch["input_ids"].numel()) * self.trainer.world_size
+        self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, prog_bar=True)
+        if torch.cuda.is_available():
+            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, on_step=True)
+
+    def on_validation_epoch_start(self) -> None:
+        k = self.hparams.ttt_steps
+        self._val_sums = {
+            name: torch.zeros(k, dtype=torch.float64, device=self.device)
+            for name in ("loss", "weight", "correct", "count")
+        }
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        out = self._run(batch, noise=False)
+        sums = self._val_sums
+        sums["loss"] += out.step_losses.double() * out.step_weight_sums.double()
+        sums["weight"] += out.step_weight_sums.double()
+        sums["correct"] += out.step_correct.double()
+        sums["count"] += out.step_counts.double()
+
+    def on_validation_epoch_end(self) -> None:
+        sums = {
+            name: self.all_gather(value).reshape(-1, value.numel()).sum(0)
+            for name, value in self._val_sums.items()
+        }
+        if sums["count"][0] == 0:
+            return
+        step_loss = sums["loss"] / sums["weight"].clamp(min=1)
+        decay = self.hparams.step_loss_decay ** torch.arange(len(step_loss), device=step_loss.device)
+        metrics = {"val/loss": (decay * step_loss).sum()}
+        for k in range(len(step_loss)):
+            metrics[f"val/loss_{k}"] = step_loss[k]
+            metrics[f"val/acc_{k}"] = sums["correct"][k] / sums["count"][k] if sums["count"][k] else 0.0
+        # Already reduced over ranks above.
+        self.log_dict({k: float(v) for k, v in metrics.items()}, prog_bar=False, sync_dist=False)
+        self.log("val/tau_sim", tau_sim(sums["correct"], sums["count"]), prog_bar=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
+        warmup = max(1, int(hp.warmup_ratio * hp.total_steps))
+
+        def schedule(step: int) -> float:
+            # Linear warmup, then cosine decay to 10% of the peak.
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, hp.total_steps - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,140 @@
+"""Packing variable-length sequences into micro-batches of a fixed token budget, and building one packed row.
+
+A micro-batch is one row of exactly `tokens_per_batch` tokens holding whole documents back to back, then
+padding; static shapes let the draft head compile once. Attention stays inside a document through
+`document_ids`, and `position_ids` restart at 0 in each document.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from eaglet.errors import ConfigError
+
+
+def _epoch_rng(seed: int, epoch: int) -> np.random.Generator:
+    """The random stream of one (seed, epoch); any integer seed is accepted, negative ones included."""
+    return np.random.default_rng([seed % 2**64, epoch])
+
+
+def _check_budget(tokens_per_batch: int) -> None:
+    if tokens_per_batch < 1:
+        raise ConfigError(f"tokens_per_batch must be a positive number of tokens, got {tokens_per_batch}")
+
+
+def pack_sequences(
+    lengths: np.ndarray,
+    indices: np.ndarray | Sequence[int],
+    tokens_per_batch: int,
+    seed: int,
+    epoch: int,
+    *,
+    shuffle: bool = True,
+) -> list[list[int]]:
+    """Pack the sequences `indices` (into `lengths`) into bins of at most `tokens_per_batch` tokens.
+
+    Best-fit decreasing: longest sequence first, each into the open bin it fills most tightly. A sequence
+    longer than the budget counts as `tokens_per_batch` tokens (it is truncated when collated) and fills a
+    bin alone. With `shuffle`, ties between equal lengths are broken and the order of the bins is drawn from
+    (seed, epoch): the bin contents vary between epochs while their number stays the same (equal-length
+    sequences are interchangeable). Without it (validation) the result depends on the lengths only.
+    """
+    _check_budget(tokens_per_batch)
+    indices = np.asarray(indices, dtype=np.int64)
+    sizes = np.minimum(np.asarray(lengths, dtype=np.int64)[indices], tokens_per_batch)
+    rng = _epoch_rng(seed, epoch)
+    tie_break = rng.random(len(indices)) if shuffle else np.arange(len(indices))
+    order = np.lexsort((tie_break, -sizes))
+
+    bins: list[list[int]] = []
+    open_caps: list[int] = []  # sorted distinct remaining capacities that some open bin has
+    bins_by_cap: dict[int, list[int]] = {}
+    for index, size in zip(indices[order].tolist(), sizes[order].tolist(), strict=True):
+        k = bisect_left(open_caps, size)
+        if k == len(open_caps):
+            target, left = len(bins), tokens_per_batch - size
+            bins.append([index])
+        else:
+            cap = open_caps[k]
+            target, left = bins_by_cap[cap].pop(), cap - size
+            if not bins_by_cap[cap]:
+                del open_caps[k], bins_by_cap[cap]
+            bins[target].append(index)
+        if left > 0:
+            if left not in bins_by_cap:
+                bins_by_cap[left] = []
+                insort(open_caps, left)
+            bins_by_cap[left].append(target)
+
+    if shuffle:
+        bins = [bins[i] for i in rng.permutation(len(bins))]
+    return bins
+
+
+def count_truncated(lengths: np.ndarray, indices: np.ndarray | Sequence[int], tokens_per_batch: int) -> int:
+    """How many of the sequences `indices` are longer than `tokens_per_batch` (and lose their tail)."""
+    return int(np.count_nonzero(np.asarray(lengths)[np.asarray(indices, dtype=np.int64)] > tokens_per_batch))
+
+
+def packing_efficiency(lengths: np.ndarray, bins: Sequence[Sequence[int]], tokens_per_batch: int) -> float:
+    """Real tokens / (bins * budget): the share of the micro-batch tokens that are not padding."""
+    if not bins:
+        return 0.0
+    members = np.fromiter((i for b in bins for i in b), dtype=np.int64)
+    real = int(np.minimum(np.asarray(lengths)[members], tokens_per_batch).sum())
+    return real / (len(bins) * tokens_per_batch)
+
+
+def collate_packed(
+    sequences: Sequence[Mapping[str, torch.Tensor]],
+    tokens_per_batch: int,
+    feature_dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Concatenate `sequences` (as returned by `ShardReader.sequence`) into one row of `tokens_per_batch` tokens.
+
+    Returns input_ids long [T], loss_mask bool [T], document_ids long [T] (0, 1, ... per sequence; the
+    padding is one more document after the last), position_ids long [T] (restarting at 0 per document),
+    aux_hidden_states [T, n_aux*H] (the n_aux states side by side, in manifest order), last_hidden_state
+    [T, H], num_real_tokens long []. Features are read from the memory maps once, straight into the output
+    (converted to `feature_dtype`, default the stored dtype); padding is zero everywhere.
+    """
+    _check_budget(tokens_per_batch)
+    if not sequences:
+        raise ValueError("collate_packed needs at least one sequence")
+    sizes = [min(len(seq["input_ids"]), tokens_per_batch) for seq in sequences]
+    if sum(sizes) > tokens_per_batch:
+        raise ValueError(f"sequences of {sizes} tokens do not fit in tokens_per_batch={tokens_per_batch}")
+    t = tokens_per_batch
+    _, n_aux, hidden = sequences[0]["aux_hidden_states"].shape
+    dtype = feature_dtype or sequences[0]["aux_hidden_states"].dtype
+    out = {
+        "input_ids": torch.empty(t, dtype=torch.long),
+        "loss_mask": torch.empty(t, dtype=torch.bool),
+        "document_ids": torch.empty(t, dtype=torch.long),
+        "position_ids": torch.empty(t, dtype=torch.long),
+        "aux_hidden_states": torch.empty(t, n_aux * hidden, dtype=dtype),
+        "last_hidden_state": torch.empty(t, hidden, dtype=dtype),
+    }
+    aux = out["aux_hidden_states"].view(t, n_aux, hidden)
+    ramp = torch.arange(t)
+    begin = 0
+    for doc, (seq, size) in enumerate(zip(sequences, sizes, strict=True)):
+        end = begin + size
+        # copy_ converts dtype while copying, so each mapped byte is read once and nothing is staged.
+        out["input_ids"][begin:end].copy_(seq["input_ids"][:size])
+        out["loss_mask"][begin:end].copy_(seq["loss_mask"][:size])
+        aux[begin:end].copy_(seq["aux_hidden_states"][:size])
+        out["last_hidden_state"][begin:end].copy_(seq["last_hidden_state"][:size])
+        out["document_ids"][begin:end] = doc
+        out["position_ids"][begin:end] = ramp[:size]
+        begin = end
+    for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+        out[name][begin:] = 0
+    out["document_ids"][begin:] = len(sequences)
+    out["position_ids"][begin:] = ramp[: t - begin]
+    out["num_real_tokens"] = torch.tensor(begin, dtype=torch.long)
+    return out

@@ -1,0 +1,217 @@
+"""The training stage: shards in, a trained head (checkpoints + serving export + report) out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from eaglet.config.schema import DraftConfig, EagletConfig
+from eaglet.errors import ConfigError, DataError
+from eaglet.export.eagle import export_eagle
+from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
+from eaglet.fsutil import atomic_write_json
+from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
+from eaglet.target.capture import resolve_aux_layer_ids
+from eaglet.train.datamodule import ShardDataModule
+from eaglet.train.hardware import check_machine, plan_trainer
+from eaglet.train.module import DraftHeadModule
+from eaglet.train.tracking import finish_wandb, make_loggers
+
+REPORT_FILE = "report.json"
+
+
+@dataclass
+class TrainSummary:
+    run_dir: str
+    shard_dir: str
+    steps: int
+    epochs: int
+    train_tokens_per_epoch: int
+    global_batch_tokens: int
+    tau_sim: float
+    step_accuracy: list[float]
+    val_loss: float
+    best_checkpoint: str
+    export_dir: str
+    seconds: float
+
+
+def check_manifest(cfg: EagletConfig, manifest: Manifest, directory: Path) -> None:
+    """The shards must come from this target, at these layers and this hidden size."""
+    aux_ids = resolve_aux_layer_ids(cfg.model)
+    t = manifest.target
+    checks = [
+        ("model.name", cfg.model.name, t.get("name")),
+        ("model.num_layers", cfg.model.num_layers, t.get("num_layers")),
+        ("model.hidden_size", cfg.model.hidden_size, manifest.hidden_size),
+        ("model.vocab_size", cfg.model.vocab_size, manifest.vocab_size),
+        ("model.aux_layer_ids", aux_ids, manifest.aux_layer_ids),
+    ]
+    for key, want, have in checks:
+        if want != have:
+            raise DataError(
+                f"{directory} holds features of another target: {key}={want} in the config, {have} in its "
+                "manifest; extract for this model (python extract.py model=...) or point "
+                "extract.output_dir at the matching shards"
+            )
+    if cfg.model.draft.hidden_size != cfg.model.hidden_size:
+        raise ConfigError(
+            f"model.draft.hidden_size={cfg.model.draft.hidden_size} must equal the target's hidden size "
+            f"{cfg.model.hidden_size}: the head reuses the target's embeddings and lm_head rows"
+        )
+
+
+def build_module(cfg: EagletConfig, manifest: Manifest, total_steps: int) -> DraftHeadModule:
+    tr = cfg.trainer
+    return DraftHeadModule(
+        draft=OmegaConf.to_container(cfg.model.draft, resolve=True),
+        target_hidden_size=manifest.hidden_size,
+        vocab_size=manifest.vocab_size,
+        draft_vocab_size=cfg.model.draft_vocab_size,
+        num_aux=len(manifest.aux_layer_ids),
+        target_norm_eps=cfg.model.rms_norm_eps,
+        ttt_steps=tr.ttt_steps,
+        step_loss_decay=tr.step_loss_decay,
+        lr=tr.lr,
+        weight_decay=tr.weight_decay,
+        warmup_ratio=tr.warmup_ratio,
+        total_steps=total_steps,
+        lm_head_trainable=tr.lm_head_trainable,
+        mask_outside_draft_vocab=tr.mask_outside_draft_vocab,
+        feature_noise_std=tr.feature_noise_std,
+        loss_chunk_tokens=tr.loss_chunk_tokens,
+    )
+
+
+def resolve_ckpt_path(value: str | None, output_dir: Path) -> str | None:
+    """`last` = the newest last.ckpt of any earlier training run; otherwise a path (checked)."""
+    if value is None:
+        return None
+    if value == "last":
+        candidates = sorted(output_dir.glob("train/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise ConfigError(f"ckpt_path=last: no earlier run under {output_dir}/train has a last.ckpt")
+        return str(candidates[-1])
+    if not Path(value).is_file():
+        raise ConfigError(f"ckpt_path={value}: no such checkpoint file")
+    return value
+
+
+def run_training(cfg: EagletConfig, run_dir: Path) -> TrainSummary | None:
+    """Train, select by val/tau_sim, export; the summary on rank 0 (None on other ranks)."""
+    start = time.perf_counter()
+    tr = cfg.trainer
+    if tr.ttt_steps < 1:
+        raise ConfigError(f"trainer.ttt_steps must be >= 1, got {tr.ttt_steps}")
+    shards = shard_dir(cfg)
+    manifest = read_manifest(shards)
+    if not manifest.complete:
+        raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")
+    check_manifest(cfg, manifest, shards)
+    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.model.draft_vocab_size)
+
+    plan = plan_trainer(cfg.hardware, tr)
+    check_machine(cfg.hardware, plan)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.output_dir))
+    L.seed_everything(tr.seed, workers=True, verbose=False)
+
+    datamodule = ShardDataModule(
+        shards,
+        tokens_per_batch=plan.tokens_per_device,
+        val_fraction=tr.val_fraction,
+        seed=tr.seed,
+        num_workers=tr.num_workers,
+        check_finite=True,
+    )
+    datamodule.setup()
+    micro_batches = datamodule.train_batches_per_rank(plan.world_size)
+    steps_per_epoch = max(1, micro_batches // plan.accumulate_grad_batches)
+    total_steps = tr.max_steps if tr.max_steps > 0 else tr.max_epochs * steps_per_epoch
+
+    module = build_module(cfg, manifest, total_steps)
+    module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
+
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        filename="best-step{step}",
+        auto_insert_metric_name=False,
+        monitor="val/tau_sim",
+        mode="max",
+        save_top_k=1,
+    )
+    # Refreshes last.ckpt between validations, so a killed run resumes close to where it stopped.
+    periodic = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=tr.checkpoint_every_n_steps,
+    )
+    val_interval = min(micro_batches, tr.val_every_n_steps * plan.accumulate_grad_batches)
+    loggers = make_loggers(cfg, run_dir, job_type="train")
+    failed = True
+    try:
+        trainer = L.Trainer(
+            accelerator=plan.accelerator,
+            devices=plan.devices,
+            num_nodes=plan.num_nodes,
+            precision=plan.precision,
+            strategy=plan.strategy,
+            max_epochs=tr.max_epochs if tr.max_steps <= 0 else -1,
+            max_steps=total_steps,
+            accumulate_grad_batches=plan.accumulate_grad_batches,
+            gradient_clip_val=tr.grad_clip,
+            val_check_interval=val_interval,
+            logger=loggers,
+            callbacks=[checkpoint, periodic, LearningRateMonitor(logging_interval="step")],
+            default_root_dir=run_dir,
+            use_distributed_sampler=False,
+            log_every_n_steps=1,
+            num_sanity_val_steps=0,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        last = run_dir / "checkpoints" / "last.ckpt"
+        trainer.save_checkpoint(last)  # the final state, whatever the periodic interval
+        # Final numbers are those of the selected (best val/tau_sim) checkpoint.
+        best = checkpoint.best_model_path or str(last)
+        module.load_state_dict(
+            torch.load(best, map_location="cpu", weights_only=True)["state_dict"], strict=False
+        )
+        metrics = (
+            trainer.validate(module, datamodule=datamodule, verbose=False)[0] if tr.val_fraction > 0 else {}
+        )
+        failed = False
+    finally:
+        finish_wandb(failed)
+
+    if trainer.global_rank != 0:
+        return None
+    export_dir = export_eagle(
+        module.head,
+        DraftConfig(**OmegaConf.to_container(cfg.model.draft, resolve=True)),
+        run_dir / "draft",
+        aux_layer_ids=manifest.aux_layer_ids,
+    )
+    summary = TrainSummary(
+        run_dir=str(run_dir),
+        shard_dir=str(shards),
+        steps=int(trainer.global_step),
+        epochs=int(trainer.current_epoch),
+        train_tokens_per_epoch=datamodule.train_tokens,
+        global_batch_tokens=plan.global_batch_tokens,
+        tau_sim=float(metrics.get("val/tau_sim", float("nan"))),
+        step_accuracy=[float(metrics.get(f"val/acc_{k}", float("nan"))) for k in range(tr.ttt_steps)],
+        val_loss=float(metrics.get("val/loss", float("nan"))),
+        best_checkpoint=str(best),
+        export_dir=str(export_dir),
+        seconds=time.perf_counter() - start,
+    )
+    atomic_write_json(run_dir / REPORT_FILE, asdict(summary))
+    return summary

@@ -1,0 +1,59 @@
+"""Run tracking: a CSV log always, and Weights & Biases (offline unless the user is logged in)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from omegaconf import OmegaConf
+
+from eaglet.config.schema import EagletConfig
+
+
+def wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def sweep_group() -> str | None:
+    """The sweep folder's name for Hydra multirun jobs: every trial of one sweep shares a W&B group."""
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return Path(hydra_cfg.sweep.dir).name
+
+
+def make_loggers(cfg: EagletConfig, run_dir: Path, job_type: str) -> list[Logger]:
+    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="", version="")]
+    if "WANDB_MODE" not in os.environ and not wandb_logged_in():
+        os.environ["WANDB_MODE"] = "offline"
+    if os.environ["WANDB_MODE"] == "disabled":
+        return loggers
+    loggers.append(
+        WandbLogger(
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            group=cfg.wandb.group or sweep_group(),
+            tags=list(cfg.wandb.tags),
+            name=run_dir.name,
+            job_type=job_type,
+            save_dir=str(run_dir),
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+    )
+    return loggers
+
+
+def finish_wandb(failed: bool) -> None:
+    """Close the W&B run of this job, marking a crash as such (exit code 1)."""
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)

@@ -1,0 +1,177 @@
+"""Training end to end on shards written by the real extraction (tiny random Llama target)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglet.config import PROJECT_ROOT
+from eaglet.errors import ConfigError, DataError
+from eaglet.extract.pipeline import run_extraction
+from eaglet.train.run import resolve_ckpt_path, run_training
+
+SHARED = PROJECT_ROOT.parent / "shared" / "data"
+CONTRACT = {
+    "embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+}  # fmt: skip
+
+
+def data_overrides(shards: Path) -> list[str]:
+    return [
+        "model=tiny_llama",
+        "dataset=oasst_en100",
+        "dataset.max_records_per_file=30",
+        "extract.regenerate.enabled=false",
+        f"extract.output_dir={shards}",
+        "extract.max_length=256",
+        "model.draft_vocab_size=256",
+    ]
+
+
+def train_overrides(shards: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        *data_overrides(shards),
+        f"paths.output_dir={out}",
+        "hardware.tokens_per_device=512",
+        "trainer.global_batch_tokens=1024",
+        "trainer.max_steps=6",
+        "trainer.val_every_n_steps=3",
+        "trainer.checkpoint_every_n_steps=2",
+        "trainer.val_fraction=0.2",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    import eaglet.config
+
+    out = tmp_path_factory.mktemp("shards")
+    with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
+        cfg = hydra.compose("config", overrides=[f"paths.cache_dir={model_cache}", *data_overrides(out)])
+    GlobalHydra.instance().clear()
+    run_extraction(cfg)
+    return out
+
+
+def test_fit_writes_checkpoints_metrics_report_and_export(compose, shards: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    summary = run_training(compose(*train_overrides(shards, tmp_path)), run_dir)
+    assert summary.steps == 6
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert Path(summary.best_checkpoint).is_file()
+    metrics = (run_dir / "metrics.csv").read_text()
+    for key in (
+        "train/loss",
+        "train/loss_0",
+        "train/loss_2",
+        "val/tau_sim",
+        "val/acc_0",
+        "train/tokens_per_s",
+    ):
+        assert key in metrics
+    assert 1.0 <= summary.tau_sim <= 4.0 and len(summary.step_accuracy) == 3
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["steps"] == 6
+    tensors = load_file(run_dir / "draft" / "model.safetensors")
+    assert set(tensors) == CONTRACT
+    config = json.loads((run_dir / "draft" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 256 and config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    # The checkpoint holds primitives and tensors only.
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["hyper_parameters"]["ttt_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "match"),
+    [
+        (["trainer.ttt_steps=0"], ConfigError, "ttt_steps"),
+        (["model.draft_vocab_size=60000"], ConfigError, "draft_vocab_size"),
+        (["model.draft_vocab_size=20000"], ConfigError, "distinct"),
+        (["trainer.global_batch_tokens=1000"], ConfigError, "global_batch_tokens"),
+        (["model.aux_layer_ids=[1,2,3]"], DataError, "aux_layer_ids"),
+        (["model.hidden_size=32", "model.draft.hidden_size=32"], DataError, "hidden_size"),
+        (["hardware=h200_x1"], ConfigError, "hardware=h200_x1 needs 1"),
+        (["ckpt_path=last", "paths.output_dir=/nonexistent"], ConfigError, "ckpt_path=last"),
+    ],
+)
+def test_bad_settings_fail_before_training(
+    compose, shards: Path, tmp_path: Path, extra, error, match
+) -> None:
+    cfg = compose(*train_overrides(shards, tmp_path), *extra)
+    with pytest.raises(error, match=match):
+        run_training(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_missing_shards_say_to_extract(compose, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="extract.py"):
+        run_training(compose(*train_overrides(tmp_path / "none", tmp_path)), tmp_path / "run")
+
+
+def test_resolve_last_checkpoint(tmp_path: Path) -> None:
+    for name, age in (("a", 10), ("b", 0)):
+        ckpt = tmp_path / "train" / name / "checkpoints" / "last.ckpt"
+        ckpt.parent.mkdir(parents=True)
+        ckpt.write_bytes(b"x")
+        os.utime(ckpt, (time.time() - age, time.time() - age))
+    assert resolve_ckpt_path("last", tmp_path).endswith("b/checkpoints/last.ckpt")
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        resolve_ckpt_path(str(tmp_path / "missing.ckpt"), tmp_path)
+
+
+def train_cmd(shards: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(PROJECT_ROOT / "train.py"), *train_overrides(shards, out, "trainer.max_steps=10", *extra),
+        f"paths.cache_dir={cache}", f"hydra.run.dir={out}/run",
+    ]  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_killed_training_resumes_to_the_same_weights(shards: Path, tmp_path: Path, model_cache: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    whole = tmp_path / "whole"
+    subprocess.run(train_cmd(shards, whole, model_cache), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        train_cmd(shards, killed, model_cache), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    last = killed / "run" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not last.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            "training ended before its first checkpoint"
+        )
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved_step = torch.load(last, weights_only=True)["global_step"]
+    assert 0 < saved_step < 10
+
+    resumed = tmp_path / "resumed"
+    subprocess.run(
+        train_cmd(shards, resumed, model_cache, f"ckpt_path={last}"), check=True, env=env, capture_output=True
+    )
+    expected = torch.load(whole / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    got = torch.load(resumed / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert got["global_step"] == expected["global_step"] == 10
+    for name, tensor in expected["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)

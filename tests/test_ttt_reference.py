@@ -1,0 +1,262 @@
+"""The packed, batched TTT loss against a deliberately naive float64 reference.
+
+The reference walks one document at a time with Python loops over steps, positions, heads and keys, builds
+the teacher from the full-vocab softmax (then restricts and renormalises), and shifts inputs, targets and
+masks by hand. It shares nothing with the implementation but the parameter values, so a shift, mask or
+attention bug shows up as a loss, gradient or count mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eaglet.config.schema import DraftConfig
+from eaglet.model.draft_head import Eagle3DraftHead
+from eaglet.train.ttt import ttt_forward
+
+H, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, V, VD, EPS, THETA = 16, 2, 1, 8, 24, 50, 20, 1e-6, 100.0
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def _draft_config(norm_before_residual: bool) -> DraftConfig:
+    return DraftConfig(
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=INTERMEDIATE,
+        rms_norm_eps=EPS,
+        rope_theta=THETA,
+        norm_before_residual=norm_before_residual,
+    )
+
+
+def _target(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A tiny target whose argmax is mostly one of three tokens: two in the draft vocab, one outside.
+
+    That makes the draft right about half the time, so conditional accuracies are not all zero.
+    """
+    used = torch.randperm(V, generator=gen)[:VD].sort().values
+    outside = [i for i in range(V) if i not in set(used.tolist())]
+    lm_head = 0.1 * torch.randn(V, H, generator=gen, dtype=torch.float64)
+    direction = torch.randn(2, H, generator=gen, dtype=torch.float64)
+    lm_head[used[3]] += direction[0]
+    lm_head[used[11]] -= direction[0]
+    lm_head[outside[5]] += direction[1]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    return {
+        "embed": torch.randn(V, H, generator=gen, dtype=torch.float64),
+        "lm_head": lm_head,
+        "norm": 1.0 + 0.2 * torch.randn(H, generator=gen, dtype=torch.float64),
+        "d2t": used - torch.arange(VD),
+        "t2d": t2d,
+    }
+
+
+def _head(
+    target: dict[str, torch.Tensor], gen: torch.Generator, norm_before_residual: bool, lm_head_trainable: bool
+):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    head = Eagle3DraftHead(
+        _draft_config(norm_before_residual), target_hidden_size=H, vocab_size=V, draft_vocab_size=VD
+    )
+    head = head.double()
+    with torch.no_grad():  # norms away from 1 so a swapped norm weight is visible
+        for norm in (
+            head.midlayer.input_layernorm,
+            head.midlayer.hidden_norm,
+            head.midlayer.post_attention_layernorm,
+            head.norm,
+        ):
+            norm.weight.copy_(1.0 + 0.3 * torch.randn(H, generator=gen, dtype=torch.float64))
+    head.init_from_target(
+        target["embed"], target["lm_head"], target["d2t"], target["t2d"], lm_head_trainable=lm_head_trainable
+    )
+    return head
+
+
+def _documents(lengths: tuple[int, ...], gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    return [
+        {
+            "ids": torch.randint(0, V, (n,), generator=gen),
+            "loss_mask": torch.rand(n, generator=gen) < 0.75,
+            "aux": torch.randn(n, 3 * H, generator=gen, dtype=torch.float64),
+            "last": 2.0 * torch.randn(n, H, generator=gen, dtype=torch.float64),
+        }
+        for n in lengths
+    ]
+
+
+def _pack(docs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.cat([d["ids"] for d in docs]),
+        "loss_mask": torch.cat([d["loss_mask"] for d in docs]),
+        # Ids need not be ordered or small; only equality within a document matters.
+        "document_ids": torch.cat([torch.full((len(d["ids"]),), 7 * i + 3) for i, d in enumerate(docs)]),
+        "position_ids": torch.cat([torch.arange(len(d["ids"])) for d in docs]),
+        "aux_hidden_states": torch.cat([d["aux"] for d in docs]),
+        "last_hidden_state": torch.cat([d["last"] for d in docs]),
+    }
+
+
+# ---------------------------------------------------------------- the naive reference
+
+
+def _rms(x, w):
+    return w * x / torch.sqrt((x * x).mean() + EPS)
+
+
+def _rope(x, position):
+    half = HEAD_DIM // 2
+    angle = torch.tensor([position * THETA ** (-2 * i / HEAD_DIM) for i in range(half)], dtype=torch.float64)
+    a, b = x[:half], x[half:]
+    return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()])
+
+
+def _layer_inputs(p, embed, hidden, position, norm_before_residual):
+    normed_hidden = _rms(hidden, p["midlayer.hidden_norm.weight"])
+    x = torch.cat([_rms(embed, p["midlayer.input_layernorm.weight"]), normed_hidden])
+    q = p["midlayer.self_attn.q_proj.weight"] @ x
+    k = p["midlayer.self_attn.k_proj.weight"] @ x
+    v = p["midlayer.self_attn.v_proj.weight"] @ x
+    queries = [_rope(q[h * HEAD_DIM : (h + 1) * HEAD_DIM], position) for h in range(HEADS)]
+    keys = [_rope(k[h * HEAD_DIM : (h + 1) * HEAD_DIM], position) for h in range(KV_HEADS)]
+    values = [v[h * HEAD_DIM : (h + 1) * HEAD_DIM] for h in range(KV_HEADS)]
+    residual = normed_hidden if norm_before_residual else hidden
+    return queries, keys, values, residual
+
+
+def _layer_output(p, queries, visible, residual):
+    """visible: list of (keys per kv head, values per kv head) this query may attend to."""
+    heads_out = []
+    for h in range(HEADS):
+        kv = h // (HEADS // KV_HEADS)
+        scores = torch.stack([queries[h] @ keys[kv] / math.sqrt(HEAD_DIM) for keys, _ in visible])
+        weights = torch.softmax(scores, dim=0)
+        heads_out.append(sum(weights[i] * values[kv] for i, (_, values) in enumerate(visible)))
+    mid = residual + p["midlayer.self_attn.o_proj.weight"] @ torch.cat(heads_out)
+    x = _rms(mid, p["midlayer.post_attention_layernorm.weight"])
+    gate, up = p["midlayer.mlp.gate_proj.weight"] @ x, p["midlayer.mlp.up_proj.weight"] @ x
+    return mid + p["midlayer.mlp.down_proj.weight"] @ (torch.nn.functional.silu(gate) * up)
+
+
+def _naive(p, target, docs, steps, decay, mask_outside, norm_before_residual):
+    draft_ids = [i + int(target["d2t"][i]) for i in range(VD)]
+    ce_sum = [0.0] * steps
+    weight = [0] * steps
+    correct = [0] * steps
+    count = [0] * steps
+    for doc in docs:
+        ids, n = doc["ids"].tolist(), len(doc["ids"])
+        teacher = []
+        for pos in range(n):
+            full = torch.softmax(target["lm_head"] @ _rms(doc["last"][pos], target["norm"]), dim=0)
+            restricted = full[draft_ids] / full[draft_ids].sum()
+            teacher.append((restricted, int(full.argmax())))
+        fused = [p["fc.weight"] @ doc["aux"][pos] for pos in range(n)]
+        keys, values, outputs = {}, {}, {}
+        chain = [True] * n  # steps so far at t all weighted and correct
+        for k in range(steps):
+            positions = [t for t in range(n) if t + 1 + k < n]  # the input token x_{t+1+k} exists
+            queries, residuals = {}, {}
+            for t in positions:  # every key of this step first: later positions read earlier ones
+                hidden = fused[t] if k == 0 else outputs[k - 1, t]
+                embed = p["embed_tokens.weight"][ids[t + 1 + k]]
+                queries[t], keys[k, t], values[k, t], residuals[t] = _layer_inputs(
+                    p, embed, hidden, t + k, norm_before_residual
+                )
+            for t in positions:
+                visible = [(keys[0, s], values[0, s]) for s in range(t + 1)]
+                visible += [(keys[j, t], values[j, t]) for j in range(1, k + 1)]
+                outputs[k, t] = _layer_output(p, queries[t], visible, residuals[t])
+            for t in range(n):
+                target_pos = t + 1 + k
+                weighted = t + 2 + k < n and bool(doc["loss_mask"][t + 2 + k])
+                if weighted and mask_outside:
+                    weighted = bool(target["t2d"][teacher[target_pos][1]])
+                if not weighted:
+                    chain[t] = False
+                    continue
+                restricted, target_argmax = teacher[target_pos]
+                logits = p["lm_head.weight"] @ _rms(outputs[k, t], p["norm.weight"])
+                ce_sum[k] = ce_sum[k] - (restricted * torch.log_softmax(logits, dim=0)).sum()
+                weight[k] += 1
+                right = draft_ids[int(logits.argmax())] == target_argmax
+                if chain[t]:
+                    count[k] += 1
+                    correct[k] += int(right)
+                chain[t] = chain[t] and right
+    step_losses = [
+        ce_sum[k] / weight[k] if weight[k] else torch.zeros((), dtype=torch.float64) for k in range(steps)
+    ]
+    loss = sum(decay**k * step_losses[k] for k in range(steps))
+    return loss, step_losses, weight, correct, count
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def _compare(lengths, steps, decay, mask_outside, norm_before_residual=False, lm_head_trainable=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    target = _target(gen)
+    head = _head(target, gen, norm_before_residual, lm_head_trainable)
+    docs = _documents(lengths, gen)
+    out = ttt_forward(
+        head,
+        _pack(docs),
+        target_norm_weight=target["norm"],
+        target_norm_eps=EPS,
+        target_lm_head=target["lm_head"],
+        ttt_steps=steps,
+        step_loss_decay=decay,
+        mask_outside_draft_vocab=mask_outside,
+        chunk_tokens=4,
+    )
+    out.loss.backward()
+
+    params = {name: t.detach().clone().requires_grad_(t.requires_grad) for name, t in head.named_parameters()}
+    loss, step_losses, weight, correct, count = _naive(
+        params, target, docs, steps, decay, mask_outside, norm_before_residual
+    )
+    if loss.requires_grad:  # False when no position of the row carries weight
+        loss.backward()
+
+    torch.testing.assert_close(out.loss, loss, **TOL)
+    torch.testing.assert_close(out.step_losses, torch.stack(step_losses).detach(), **TOL)
+    assert out.step_weight_sums.tolist() == weight
+    assert out.step_correct.tolist() == correct
+    assert out.step_counts.tolist() == count
+    for name, param in head.named_parameters():
+        if not param.requires_grad:
+            assert param.grad is None and params[name].grad is None, name
+            continue
+        expected = params[name].grad if params[name].grad is not None else torch.zeros_like(param)
+        torch.testing.assert_close(param.grad, expected, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    return out
+
+
+@pytest.mark.parametrize("mask_outside", [False, True])
+@pytest.mark.parametrize("decay", [1.0, 0.8])
+@pytest.mark.parametrize("steps", [1, 3, 5])
+@pytest.mark.parametrize(
+    "lengths", [(9,), (5, 1, 7), (2, 3, 1, 4)], ids=["one_doc", "docs_5_1_7", "docs_shorter_than_k"]
+)
+def test_packed_ttt_matches_naive_reference(lengths, steps, decay, mask_outside) -> None:
+    _compare(lengths, steps, decay, mask_outside, seed=steps + 10 * len(lengths) + int(mask_outside))
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@pytest.mark.parametrize("lm_head_trainable", [False, True])
+def test_reference_with_residual_variants_and_frozen_lm_head(norm_before_residual, lm_head_trainable) -> None:
+    _compare((6, 8), 3, 0.8, False, norm_before_residual, lm_head_trainable, seed=5)
+
+
+def test_reference_exercises_the_accuracy_chain() -> None:
+    """Guard on the reference itself: a case where later steps count and some of them are correct."""
+    out = _compare((12, 10), 3, 1.0, False, seed=0)
+    assert out.step_counts[0] > out.step_counts[1] > out.step_counts[2] > 0
+    assert out.step_correct[1] > 0

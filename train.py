@@ -1,0 +1,31 @@
+"""Train an EAGLE-3 draft head on extracted shards (KD + training-time test).
+
+python train.py                                     # embedded default on this CPU (run extract.py first)
+python train.py hardware=b200_nvl8 model=kimi_k2_5 trainer.ttt_steps=7 model.draft_vocab_size=32000
+python train.py ckpt_path=last                      # resume the newest run
+"""
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+import eaglet.config  # noqa: F401  (registers the config schemas)
+from eaglet.cli import user_errors
+from eaglet.config.schema import EagletConfig
+from eaglet.train.report import print_summary
+from eaglet.train.run import run_training
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@user_errors
+def main(cfg: EagletConfig) -> float | None:
+    summary = run_training(cfg, Path(HydraConfig.get().runtime.output_dir))
+    if summary is None:  # not rank 0
+        return None
+    print_summary(summary)
+    return summary.tau_sim
+
+
+if __name__ == "__main__":
+    main()
