@@ -118,3 +118,40 @@ def test_a_damaged_file_is_reported(target, tmp_path: Path) -> None:
         regenerate_conversations(
             target.model, target.tokenizer, CONVERSATIONS, cfg=SETTINGS, out_path=path, max_length=512
         )
+
+
+def test_batched_decoding_equals_unbatched_greedy_generate(target) -> None:
+    """Left padding, early-finishing rows leaving the batch: same tokens as one-at-a-time `generate`."""
+    import torch
+
+    from eaglet.generation import decode_batch
+
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42]]
+    stop = 3  # a frequent token of this random model stops some rows early
+    got = decode_batch(target.model, prompts, max_new_tokens=12, stop_ids={stop}, pad_id=0)
+    for prompt, ids in zip(prompts, got, strict=True):
+        full = target.model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )
+        want = full[0, len(prompt) :].tolist()
+        assert ids == (want[: want.index(stop)] if stop in want else want)
+
+
+def test_sampling_is_seeded(target) -> None:
+    import torch
+
+    from eaglet.generation import decode_batch
+
+    def sample(seed: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(seed)
+        return decode_batch(
+            target.model,
+            [[1, 2], [3]],
+            max_new_tokens=8,
+            stop_ids=set(),
+            pad_id=0,
+            temperature=1.0,
+            generator=gen,
+        )
+
+    assert sample(0) == sample(0) != sample(1)

@@ -24,6 +24,7 @@ from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.templating import build_prompt_ids
 from eaglet.errors import DataError
+from eaglet.generation import decode_batch
 
 
 @dataclass
@@ -63,14 +64,14 @@ def regenerate_conversations(
     ):
         for first in range(0, len(pending), cfg.batch_size):
             batch = pending[first : first + cfg.batch_size]
-            if cfg.temperature > 0:
-                torch.manual_seed(cfg.seed + first)
+            # Seeded per batch: a resumed run samples the same answers as an uninterrupted one.
+            generator = torch.Generator(device).manual_seed(cfg.seed + first) if cfg.temperature > 0 else None
             finished = _regenerate_batch(
                 model,
                 tokenizer,
                 batch,
                 cfg=cfg,
-                device=device,
+                generator=generator,
                 max_length=max_length,
                 chat_template=chat_template,
                 stats=stats,
@@ -94,7 +95,7 @@ def _regenerate_batch(
     batch: list[Conversation],
     *,
     cfg: RegenerateConfig,
-    device: torch.device,
+    generator: torch.Generator | None,
     max_length: int,
     chat_template: str | None,
     stats: RegenerateStats,
@@ -120,7 +121,7 @@ def _regenerate_batch(
             prompt_ids.append(ids)
         if not active:
             break
-        for i, reply in zip(active, _generate(model, tokenizer, prompt_ids, cfg, device), strict=True):
+        for i, reply in zip(active, _generate(model, tokenizer, prompt_ids, cfg, generator), strict=True):
             history[i].append(Turn("assistant", reply[0]))
             stats.generated_turns += 1
             stats.generated_tokens += reply[1]
@@ -146,40 +147,26 @@ def _user_turn_groups(conv: Conversation) -> list[list[Turn]]:
     return groups
 
 
-@torch.inference_mode()
 def _generate(
     model: torch.nn.Module,
     tokenizer: Any,
     prompt_ids: list[list[int]],
     cfg: RegenerateConfig,
-    device: torch.device,
+    generator: torch.Generator | None,
 ) -> list[tuple[str, int]]:
-    """Batched generation with left padding; returns (reply text, generated token count) per prompt."""
+    """(reply text, generated token count) per prompt."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
-    sampling: dict[str, Any] = {"do_sample": False}
-    if cfg.temperature > 0:
-        sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
-    output = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
+    outputs = decode_batch(
+        model,
+        prompt_ids,
         max_new_tokens=cfg.max_new_tokens,
-        pad_token_id=pad_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **sampling,
+        stop_ids={tokenizer.eos_token_id},
+        pad_id=pad_id,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        generator=generator,
     )
-    replies = []
-    for row in output[:, width:].cpu():
-        ids = row.tolist()
-        if tokenizer.eos_token_id in ids:
-            ids = ids[: ids.index(tokenizer.eos_token_id)]
-        replies.append((tokenizer.decode(ids, skip_special_tokens=True).strip(), len(ids)))
-    return replies
+    return [(tokenizer.decode(ids, skip_special_tokens=True).strip(), len(ids)) for ids in outputs]
 
 
 def prompt_hash(conv: Conversation) -> str:

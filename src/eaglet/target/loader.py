@@ -123,7 +123,7 @@ def load_target(cfg: ModelConfig, *, device: str = "auto", cache_dir: Path) -> L
     loaders: dict[str, Callable[[], nn.Module]] = {
         "gguf_package": lambda: _load_gguf(cfg, Path(cache_dir), dtype, torch_device),
         "path": lambda: _load_path(cfg, dtype, torch_device),
-        "random": lambda: _build_random(cfg).to(device=torch_device, dtype=dtype),
+        "random": lambda: _build_random(cfg, dtype, torch_device),
     }
     if cfg.source not in loaders:
         raise ConfigError(f"model.source={cfg.source!r} is not one of {list(loaders)}")
@@ -280,7 +280,7 @@ def _load_path(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn
         raise ConfigError(f"could not load the target from model.path={path}: {e}") from e
 
 
-def _build_random(cfg: ModelConfig) -> nn.Module:
+def _build_random(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     builders: dict[str, Callable[[ModelConfig, dict[str, Any]], PretrainedConfig]] = {
         "llama": lambda _, common: LlamaConfig(**common),
         "qwen3": lambda _, common: Qwen3Config(**common),
@@ -305,10 +305,15 @@ def _build_random(cfg: ModelConfig) -> nn.Module:
         "tie_word_embeddings": cfg.tie_word_embeddings,
     }
     hf_config = builders[cfg.architecture](cfg, common)
-    # Fixed seed in a forked RNG: the same weights on every run and device, the caller's RNG untouched.
-    with torch.random.fork_rng(devices=[]):
+    # Fixed seed in a forked RNG: the same weights on every run, the caller's RNG untouched. Built on CPU
+    # (identical weights on every device), except on GPUs, where an 8B-parameter stand-in would take
+    # minutes and 32 GB of host memory in fp32: there it is built in place, in the target dtype.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(hf_config)
+        if device.type == "cuda":
+            with torch.device(device):
+                return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(hf_config).to(dtype=dtype)
 
 
 def _deepseek_v3_config(cfg: ModelConfig, common: dict[str, Any]) -> DeepseekV3Config:
