@@ -2,8 +2,8 @@
 
 Query t of step k sees two key sets: the step-0 keys of positions s <= t of its own document (causal,
 document-masked context) and the keys of steps 1..k at its own position t (the diagonal). Both go through
-one fused `scaled_dot_product_attention` call (flash attention on CPU, with a backward), under a bool mask
-built once per row by `document_causal_mask`.
+fused `scaled_dot_product_attention` calls (flash attention on CPU, with a backward) under a bool mask built
+once per row by `document_causal_mask`.
 
 The diagonal keys differ per query, which a shared key axis cannot hold without k dense [T, T] identity
 blocks (k times the cost of the context). Instead each diagonal key j becomes one extra "selector" key
@@ -11,7 +11,11 @@ shared by all queries: the queries gain k channels holding their own diagonal sc
 context keys gain k zero channels, and selector j is the unit vector of channel j, as key and as value.
 The selector's score is then exactly the diagonal score, the softmax runs over context and diagonal
 together, and the value channels of the output return the diagonal weights, by which the diagonal values
-are added. A step costs T x (T + k) scores whatever k is, and autograd goes through SDPA's own backward.
+are added. A step costs k more keys than step 0, and autograd goes through SDPA's own backward.
+
+`context_attention` is the backend: a function with its signature (flex attention on CUDA, say) can
+replace it. Its CPU version cuts the row into query tiles, each over the keys it may see, since the fused
+CPU kernels compute masked scores too and a packed row masks most of them (other documents).
 """
 
 from __future__ import annotations
@@ -29,11 +33,10 @@ def document_causal_mask(document_ids: Tensor) -> Tensor:
     return same_document & causal
 
 
-def context_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Masked attention of q [T, heads, d] over k, v [S, kv, d] with mask bool [T, S]; returns [T, heads, d].
+QUERY_TILE = 256  # rows per SDPA call: small enough to skip most masked keys, large enough for the kernel
 
-    Head i reads kv head i // (heads / kv), as in Llama's repeat_kv. Every row must allow at least one key.
-    """
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     # SDPA takes [batch, heads, T, d]; only 4-d inputs reach the fused CPU kernels (3-d ones fall back to math).
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
@@ -44,6 +47,19 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Masked attention of q [T, heads, d] over k, v [S, kv, d] with mask bool [T, S]; returns [T, heads, d].
+
+    Head i reads kv head i // (heads / kv), as in Llama's repeat_kv. Every row must allow at least one key.
+    Each tile of QUERY_TILE queries attends over the keys that some query of the tile may see, only.
+    """
+    outs = []
+    for q_tile, rows in zip(q.split(QUERY_TILE), mask.split(QUERY_TILE), strict=True):
+        keys = rows.any(0).nonzero().squeeze(1)
+        outs.append(_sdpa(q_tile, k[keys], v[keys], rows[:, keys], scale))
+    return torch.cat(outs)
 
 
 def ttt_attention(

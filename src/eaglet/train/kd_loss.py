@@ -44,8 +44,10 @@ def teacher_targets(
     for chunk in last_hidden_state.split(chunk_tokens):
         normed = rms_norm(chunk.to(device), norm_weight.to(device), eps)
         logits = normed.to(lm_dtype) @ lm_head_weight.T  # [chunk, V]
-        argmax.append(logits.argmax(dim=-1))
-        log_probs.append(torch.log_softmax(logits[:, draft_ids].to(out_dtype), dim=-1))
+        # max(...).indices is argmax (first maximum too) at half its cost on CPU; index_select beats [:, ids].
+        argmax.append(logits.max(dim=-1).indices)
+        draft_logits = logits.index_select(1, draft_ids)
+        log_probs.append(torch.log_softmax(draft_logits.to(out_dtype), dim=-1))
     if not log_probs:
         return torch.empty(0, d2t.numel(), dtype=out_dtype, device=device), torch.empty(
             0, dtype=torch.int64, device=device

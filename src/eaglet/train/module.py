@@ -59,8 +59,9 @@ class DraftHeadModule(L.LightningModule):
         self, head_weights: dict[str, Tensor], d2t: Tensor, t2d: Tensor, *, load_head: bool = True
     ) -> None:
         """Frozen target tensors; with `load_head`, also the head's embedding and lm_head rows."""
-        self.target_norm_weight.copy_(head_weights["norm.weight"])
-        self.target_lm_head.copy_(head_weights["lm_head.weight"])
+        # Kept in the dtype they were stored in (bf16 from GPU extraction): the teacher runs like the target.
+        self.target_norm_weight = head_weights["norm.weight"].to(self.target_norm_weight.device)
+        self.target_lm_head = head_weights["lm_head.weight"].to(self.target_lm_head.device)
         if load_head:
             self.head.init_from_target(
                 head_weights["embed_tokens.weight"],
