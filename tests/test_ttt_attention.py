@@ -140,3 +140,22 @@ def test_teacher_argmax_takes_the_first_of_tied_maxima() -> None:
     d2t = torch.tensor([0, 0, 0])
     _, argmax = teacher_targets(last, torch.ones(h, dtype=torch.float64), 1e-6, lm_head, d2t, chunk_tokens=2)
     assert argmax.tolist() == [7, 7, 7]
+
+
+def test_gpu_attention_path_equals_the_tiled_cpu_path(monkeypatch) -> None:
+    """The single-call GPU variant (padding to multiples of 8, GQA expanded) computes the same attention."""
+    import torch
+
+    from eaglet.model import attention
+
+    gen = torch.Generator().manual_seed(3)
+    t, heads, kv, d = 19, 4, 2, 13
+    q = torch.randn(t, heads, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(t, kv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(t, kv, d, generator=gen, dtype=torch.float64)
+    mask = attention.document_causal_mask(torch.tensor([0] * 7 + [1] * 12))
+    monkeypatch.setattr(attention, "QUERY_TILE", 5)
+    expected = attention.context_attention(q, k, v, mask, 0.3)
+    torch.testing.assert_close(
+        attention._cuda_attention(q, k, v, mask, 0.3), expected, rtol=1e-12, atol=1e-12
+    )

@@ -260,3 +260,35 @@ def test_reference_exercises_the_accuracy_chain() -> None:
     out = _compare((12, 10), 3, 1.0, False, seed=0)
     assert out.step_counts[0] > out.step_counts[1] > out.step_counts[2] > 0
     assert out.step_correct[1] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("autocast", "tol"), [(False, 1e-4), (True, 5e-2)], ids=["fp32", "bf16_autocast"])
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_cuda_matches_naive_reference(steps, autocast, tol) -> None:
+    """The GPU path (fused attention kernel, no tiles) against the float64 reference, at GPU tolerances."""
+    gen = torch.Generator().manual_seed(steps)
+    target = _target(gen)
+    head = _head(target, gen, False, True)
+    docs = _documents((9, 3, 12), gen)
+    cuda_head = Eagle3DraftHead(_draft_config(False), target_hidden_size=H, vocab_size=V, draft_vocab_size=VD)
+    cuda_head.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in head.state_dict().items()}
+    )
+    cuda_head.cuda()
+    batch = {k: (v.float() if v.is_floating_point() else v).cuda() for k, v in _pack(docs).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = ttt_forward(
+            cuda_head, batch, target_norm_weight=target["norm"].float().cuda(), target_norm_eps=EPS,
+            target_lm_head=target["lm_head"].float().cuda(), ttt_steps=steps, step_loss_decay=0.8,
+        )  # fmt: skip
+    out.loss.backward()
+    params = {name: t.detach().clone().requires_grad_(t.requires_grad) for name, t in head.named_parameters()}
+    loss, *_ = _naive(params, target, docs, steps, 0.8, False, False)
+    loss.backward()
+    torch.testing.assert_close(out.loss.double().cpu(), loss.detach(), rtol=tol, atol=tol)
+    for name, param in cuda_head.named_parameters():
+        if param.requires_grad:
+            want = params[name].grad
+            got = param.grad.double().cpu()
+            assert (got - want).norm() <= tol * want.norm() + 1e-6, name

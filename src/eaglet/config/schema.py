@@ -163,7 +163,7 @@ class ExtractConfig:
     # Padded tokens per forward batch (sequences are length-bucketed to keep padding low).
     batch_tokens: int = 16384
     # Tokens per shard file.
-    shard_tokens: int = 1_000_000
+    shard_tokens: int = 65536
     dtype: str = "bfloat16"
     device: str = "auto"
     overwrite: bool = False

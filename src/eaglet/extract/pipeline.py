@@ -29,6 +29,7 @@ from eaglet.data.templating import (
 )
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.plan import bytes_per_token, plan_batches, plan_shards
+from eaglet.extract.writer import ShardWriterPool
 from eaglet.fsutil import atomic_output, human_bytes
 from eaglet.shards import (
     MANIFEST_FILE,
@@ -42,7 +43,6 @@ from eaglet.shards import (
     save_token_counts,
     shard_name,
     write_manifest,
-    write_shard,
 )
 from eaglet.target import (
     LoadedTarget,
@@ -346,18 +346,19 @@ def _write_shards(
     total = sum(lengths[i] for r in todo for i in r)
     processed = 0
     start = time.perf_counter()
-    with tqdm(total=total, desc="extract", unit="tok", unit_scale=True) as bar:
+    with (
+        tqdm(total=total, desc="extract", unit="tok", unit_scale=True) as bar,
+        ShardWriterPool(out_dir, manifest, dtype) as writer,
+    ):
         for index in range(len(manifest.shards), len(plan)):
             features: dict[int, SequenceFeatures] = {}
             for batch in plan_batches(lengths, plan[index], ext.batch_tokens):
-                features.update(_forward_batch(target, samples, batch, aux_ids, dtype))
+                features.update(forward_batch(target, samples, batch, aux_ids, dtype))
                 n = sum(lengths[i] for i in batch)
                 processed += n
                 bar.update(n)
                 bar.set_postfix(tok_s=f"{processed / (time.perf_counter() - start):.0f}")
-            info = write_shard(out_dir, index, [features[i] for i in plan[index]], dtype)
-            manifest.shards.append(info)
-            write_manifest(out_dir, manifest)
+            writer.submit(index, [features[i] for i in plan[index]])
     return processed, kept
 
 
@@ -376,7 +377,7 @@ def _check_resumable(plan: list[range], manifest: Manifest, out_dir: Path) -> No
             return
 
 
-def _forward_batch(
+def forward_batch(
     target: LoadedTarget,
     samples: list[TokenizedConversation],
     batch: list[int],

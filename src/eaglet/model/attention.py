@@ -55,11 +55,32 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     Head i reads kv head i // (heads / kv), as in Llama's repeat_kv. Every row must allow at least one key.
     Each tile of QUERY_TILE queries attends over the keys that some query of the tile may see, only.
     """
+    if q.is_cuda:
+        return _cuda_attention(q, k, v, mask, scale)
     outs = []
     for q_tile, rows in zip(q.split(QUERY_TILE), mask.split(QUERY_TILE), strict=True):
         keys = rows.any(0).nonzero().squeeze(1)
         outs.append(_sdpa(q_tile, k[keys], v[keys], rows[:, keys], scale))
     return torch.cat(outs)
+
+
+def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """One SDPA call on the GPU: the masked fused kernel (memory-efficient attention) takes a bool mask.
+
+    Tiling would sync the host at every tile. Its kernels want head sizes in multiples of 8 (zero channels
+    change no score and no output), and GQA is expanded by hand, since `enable_gqa` sends a masked call to
+    the math kernel, which materialises [heads, T, S] scores.
+    """
+    d = q.shape[-1]
+    pad = -d % 8
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale
+    )
+    return out[0].transpose(0, 1)[..., :d]
 
 
 def ttt_attention(

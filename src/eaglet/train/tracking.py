@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -31,10 +32,12 @@ def sweep_group() -> str | None:
 
 
 def make_loggers(cfg: EagletConfig, run_dir: Path, job_type: str) -> list[Logger]:
+    # metrics.csv sits in the run folder beside Hydra's files, which the CSV logger would warn about.
+    warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
     loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="", version="")]
     if "WANDB_MODE" not in os.environ and not wandb_logged_in():
         os.environ["WANDB_MODE"] = "offline"
-    if os.environ["WANDB_MODE"] == "disabled":
+    if os.environ.get("WANDB_MODE") == "disabled":
         return loggers
     loggers.append(
         WandbLogger(
