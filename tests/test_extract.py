@@ -208,3 +208,12 @@ def test_bad_input_ends_in_one_clear_line(tmp_path: Path, model_cache: Path) -> 
         text=True,
     )
     assert typo.returncode != 0 and "bach_tokens" in typo.stderr
+
+
+def test_conversations_without_assistant_are_skipped_and_counted(compose, tmp_path: Path) -> None:
+    prompt_only = {"id": "p", "conversations": [{"role": "user", "content": "no answer here"}]}
+    data = write_jsonl(tmp_path / "d.jsonl", [*some_records(2), prompt_only])
+    summary = run_extraction(compose(*overrides(data, tmp_path / "out")))
+    assert summary.sequences == 2 and summary.skipped == 1
+    with pytest.raises(DataError, match="d.jsonl:3"):
+        run_extraction(compose(*overrides(data, tmp_path / "strict", "extract.strict=true")))

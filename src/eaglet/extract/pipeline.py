@@ -78,13 +78,15 @@ def shard_dir(cfg: EagletConfig) -> Path:
     return Path(cfg.paths.data_dir) / "shards" / cfg.model.name / cfg.dataset.name
 
 
-def load_dataset(cfg: EagletConfig) -> list[Conversation]:
-    """The dataset's conversations, capped per file and in total, in file order."""
+def load_dataset(cfg: EagletConfig) -> tuple[list[Conversation], int]:
+    """The dataset's conversations, capped per file and in total, in file order, and how many had no
+    assistant turn to train on (skipped; an error with extract.strict=true)."""
     require_assistant = not cfg.extract.regenerate.enabled
     conversations: list[Conversation] = []
     seen: dict[str, str] = {}
+    no_assistant = 0
     for path in cfg.dataset.paths:
-        part, _ = load_conversations(
+        part, stats = load_conversations(
             [path],
             max_records=cfg.dataset.max_records_per_file,
             require_assistant=require_assistant,
@@ -98,9 +100,10 @@ def load_dataset(cfg: EagletConfig) -> list[Conversation]:
                 )
             seen[conv.id] = f"{conv.source}:{conv.line}"
         conversations.extend(part)
+        no_assistant += stats.skipped_no_assistant
     if cfg.extract.max_conversations is not None:
         conversations = conversations[: cfg.extract.max_conversations]
-    return conversations
+    return conversations, no_assistant
 
 
 def run_extraction(cfg: EagletConfig) -> ExtractSummary:
@@ -114,7 +117,7 @@ def run_extraction(cfg: EagletConfig) -> ExtractSummary:
         raise ConfigError(f"extract.dtype={ext.dtype!r}: choose one of {sorted(STORED_DTYPES)}")
     aux_ids = resolve_aux_layer_ids(cfg.model)
     out_dir = shard_dir(cfg)
-    conversations = load_dataset(cfg)
+    conversations, no_assistant = load_dataset(cfg)
 
     target = load_target(cfg.model, device=ext.device, cache_dir=Path(cfg.paths.cache_dir))
     template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
@@ -122,7 +125,8 @@ def run_extraction(cfg: EagletConfig) -> ExtractSummary:
     if ext.regenerate.enabled:
         conversations, regen_stats = _regenerate(cfg, target, conversations, template)
 
-    samples, skipped = _tokenize(cfg, target, conversations, template)
+    samples, no_masked_token = _tokenize(cfg, target, conversations, template)
+    skipped = no_assistant + no_masked_token
     identity = _identity(cfg, target, template, aux_ids)
     fingerprint = _fingerprint(identity, samples)
     manifest = _prepare_output(out_dir, fingerprint, overwrite=ext.overwrite)

@@ -12,6 +12,8 @@ from eaglet.fsutil import human_bytes
 def print_summary(summary: ExtractSummary, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=f"extraction: {summary.output_dir}", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")
     rows = [
         ("sequences", f"{summary.sequences:,}"),
         ("tokens", f"{summary.tokens:,}"),
@@ -19,7 +21,7 @@ def print_summary(summary: ExtractSummary, console: Console | None = None) -> No
             "loss-masked tokens",
             f"{summary.masked_tokens:,} ({summary.masked_tokens / max(summary.tokens, 1):.0%})",
         ),
-        ("truncated / skipped", f"{summary.truncated:,} / {summary.skipped:,}"),
+        ("truncated / skipped (no assistant token)", f"{summary.truncated:,} / {summary.skipped:,}"),
         ("shards (resumed)", f"{summary.shards} ({summary.resumed_shards})"),
         (
             "bytes on disk",

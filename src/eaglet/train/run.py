@@ -181,11 +181,11 @@ def run_training(cfg: EagletConfig, run_dir: Path) -> TrainSummary | None:
         trainer.save_checkpoint(last)  # the final state, whatever the periodic interval
         # Final numbers are those of the selected (best val/tau_sim) checkpoint.
         best = checkpoint.best_model_path or str(last)
-        module.load_state_dict(
-            torch.load(best, map_location="cpu", weights_only=True)["state_dict"], strict=False
-        )
+        module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
         metrics = (
-            trainer.validate(module, datamodule=datamodule, verbose=False)[0] if tr.val_fraction > 0 else {}
+            trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)[0]
+            if tr.val_fraction > 0
+            else {}
         )
         failed = False
     finally:
