@@ -179,11 +179,12 @@ def main(argv: list[str]) -> None:
     for name in opts["shapes"].split(","):
         for ttt in (int(k) for k in opts["ttt"].split(",")):
             r = run_case(name, ttt, opts, device, work)
-            mfu = r["tflops"] * 1e12 / ceiling if ceiling == ceiling else float("nan")
+            mfu = f"{r['tflops'] * 1e12 / ceiling:.0%}" if ceiling == ceiling else "n/a"
+            peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] == r["peak_gib"] else "n/a"
             head = "trainable" if opts["lm_head_trainable"] else "frozen"
             row = (
                 f"| {date.today()} | {where} | {name} | {ttt} | {head} | {opts['batch_tokens']:,} | {r['tps']:,.0f} "
-                f"| {r['peak_gib']:.1f} | {r['tflops']:.1f} | {mfu:.0%} |"
+                f"| {peak} | {r['tflops']:.1f} | {mfu} |"
             )
             print(row, flush=True)
             rows.append(row)
