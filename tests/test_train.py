@@ -175,3 +175,29 @@ def test_killed_training_resumes_to_the_same_weights(shards: Path, tmp_path: Pat
     assert got["global_step"] == expected["global_step"] == 10
     for name, tensor in expected["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.e2e
+def test_two_process_ddp_equals_one_process(shards: Path, tmp_path: Path, model_cache: Path) -> None:
+    """hardware=cpu trainer.devices=2 (DDP over gloo) = one process with the same global batch."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    runs = {}
+    for devices in (1, 2):
+        out = tmp_path / f"devices{devices}"
+        cmd = train_cmd(
+            shards, out, model_cache, "trainer.max_steps=4", "trainer.lr=1e-2", f"trainer.devices={devices}"
+        )
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[devices] = out / "run"
+    two = runs[2]
+    # Rank 0 alone writes: one metrics file, one report, one W&B run, one set of checkpoints.
+    assert len(list(two.rglob("metrics.csv"))) == 1 and len(list(two.rglob("report.json"))) == 1
+    assert len(list((two / "wandb").glob("offline-run-*"))) == 1
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == sorted(
+        p.name for p in (runs[1] / "checkpoints").iterdir()
+    )
+    one = torch.load(runs[1] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    ddp = torch.load(two / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    for name, tensor in one.items():
+        torch.testing.assert_close(ddp[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

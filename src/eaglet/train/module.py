@@ -137,9 +137,10 @@ class DraftHeadModule(L.LightningModule):
         for k in range(len(step_loss)):
             metrics[f"val/loss_{k}"] = step_loss[k]
             metrics[f"val/acc_{k}"] = sums["correct"][k] / sums["count"][k] if sums["count"][k] else 0.0
-        # Already reduced over ranks above.
-        self.log_dict({k: float(v) for k, v in metrics.items()}, prog_bar=False, sync_dist=False)
-        self.log("val/tau_sim", tau_sim(sums["correct"], sums["count"]), prog_bar=True)
+        # Already summed over ranks above: every rank logs the same numbers (sync_dist only silences
+        # Lightning's warning; the mean of equal values changes nothing).
+        self.log_dict({k: float(v) for k, v in metrics.items()}, prog_bar=False, sync_dist=True)
+        self.log("val/tau_sim", tau_sim(sums["correct"], sums["count"]), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

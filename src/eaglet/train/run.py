@@ -178,7 +178,7 @@ def run_training(cfg: EagletConfig, run_dir: Path) -> TrainSummary | None:
         )
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         last = run_dir / "checkpoints" / "last.ckpt"
-        trainer.save_checkpoint(last)  # the final state, whatever the periodic interval
+        trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the periodic interval
         # Final numbers are those of the selected (best val/tau_sim) checkpoint.
         best = checkpoint.best_model_path or str(last)
         module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])

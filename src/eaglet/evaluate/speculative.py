@@ -1,0 +1,206 @@
+"""Greedy speculative decoding of one prompt against the target, and the plain greedy loop it must equal.
+
+Each step the proposer guesses up to K tokens; the target reads the last token plus the guesses in one forward
+over its KV cache, the longest prefix equal to its own argmax is accepted, and its argmax after that prefix is
+the bonus token. The cache is then cut back to the accepted length. Both loops end at a stop id (excluded
+from the output) or after max_new_tokens new tokens, so their outputs must match token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from eaglet.errors import ConfigError, EagletError
+from eaglet.evaluate.proposers import Proposer, TargetState
+from eaglet.target import HiddenStateCapture, LoadedTarget
+
+
+class LosslessError(EagletError):
+    """Speculative decoding produced other tokens than greedy decoding of the same target."""
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one speculative run (or the sum of several: `a + b`)."""
+
+    steps: int = 0  # verification forwards that checked at least one proposed token
+    accepted: int = 0
+    proposed: int = 0
+    per_position_accepted: list[int] = field(default_factory=list)
+    per_position_proposed: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    target_forwards: int = 0  # all of them: prefill, verification, and steps without proposals
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length 1 + accepted / steps, the bonus token counted (vLLM's definition)."""
+        return 1.0 + self.accepted / self.steps if self.steps else 1.0
+
+    def acceptance_rate(self, position: int) -> float:
+        """Accepted / proposed at draft position `position` (0-based); an accepted token implies its prefix was."""
+        proposed = _at(self.per_position_proposed, position)
+        return _at(self.per_position_accepted, position) / proposed if proposed else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def __add__(self, other: DecodeStats) -> DecodeStats:
+        width = max(len(self.per_position_proposed), len(other.per_position_proposed))
+        return DecodeStats(
+            steps=self.steps + other.steps,
+            accepted=self.accepted + other.accepted,
+            proposed=self.proposed + other.proposed,
+            per_position_accepted=[
+                _at(self.per_position_accepted, i) + _at(other.per_position_accepted, i) for i in range(width)
+            ],
+            per_position_proposed=[
+                _at(self.per_position_proposed, i) + _at(other.per_position_proposed, i) for i in range(width)
+            ],
+            new_tokens=self.new_tokens + other.new_tokens,
+            target_forwards=self.target_forwards + other.target_forwards,
+            seconds=self.seconds + other.seconds,
+        )
+
+
+def _at(values: list[int], i: int) -> int:
+    return values[i] if i < len(values) else 0
+
+
+def accepted_length(proposals: Sequence[int], target_argmax: Sequence[int]) -> int:
+    """Length of the longest prefix of `proposals` equal to the target's argmax at the same positions."""
+    for i, (proposed, verified) in enumerate(zip(proposals, target_argmax, strict=False)):
+        if proposed != verified:
+            return i
+    return len(proposals)
+
+
+class _TargetSession:
+    """The target over one growing sequence: its DynamicCache, and aux-state capture when asked for."""
+
+    def __init__(self, target: LoadedTarget, aux_layer_ids: Sequence[int] | None, stack: ExitStack) -> None:
+        self.model = target.model
+        self.device = next(target.model.parameters()).device
+        self.cache = DynamicCache()
+        self.capture = (
+            stack.enter_context(HiddenStateCapture(target.parts, aux_layer_ids)) if aux_layer_ids else None
+        )
+        self.forwards = 0
+
+    def forward(self, ids: Sequence[int], num_logits: int) -> tuple[list[int], torch.Tensor | None]:
+        """Feed `ids` after the cached ones; the argmax at the last `num_logits` positions, and their aux states."""
+        out = self.model(
+            input_ids=torch.tensor([list(ids)], device=self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        self.forwards += 1
+        aux = self.capture.result().aux_hidden_states[0] if self.capture else None
+        return out.logits[0].argmax(dim=-1).tolist(), aux
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached tokens. A negative count removes that many tokens: transformers 5
+        accepts only that form, older releases read it the same way."""
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+
+def _check_request(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty; decoding needs at least one prompt token")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def greedy_decode(
+    target: LoadedTarget, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Collection[int] = ()
+) -> tuple[list[int], float]:
+    """Plain greedy decoding with a KV cache, one token per forward: the reference. Returns (new ids, seconds)."""
+    _check_request(prompt_ids, max_new_tokens)
+    stops = set(stop_ids)
+    with ExitStack() as stack:
+        session = _TargetSession(target, None, stack)
+        _sync(session.device)
+        start = time.perf_counter()
+        (token,), _ = session.forward(prompt_ids, 1)
+        out: list[int] = []
+        while token not in stops:
+            out.append(token)
+            if len(out) == max_new_tokens:
+                break
+            (token,), _ = session.forward([token], 1)
+        _sync(session.device)
+        return out, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def speculative_decode(
+    target: LoadedTarget,
+    proposer: Proposer,
+    prompt_ids: Sequence[int],
+    *,
+    num_spec_tokens: int,
+    max_new_tokens: int,
+    stop_ids: Collection[int] = (),
+) -> tuple[list[int], DecodeStats]:
+    """Greedy speculative decoding with up to `num_spec_tokens` proposals per step; returns (new ids, stats)."""
+    if num_spec_tokens < 1:
+        raise ConfigError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
+    _check_request(prompt_ids, max_new_tokens)
+    stops = set(stop_ids)
+    stats = DecodeStats(
+        per_position_accepted=[0] * num_spec_tokens, per_position_proposed=[0] * num_spec_tokens
+    )
+    with ExitStack() as stack:
+        session = _TargetSession(target, proposer.aux_layer_ids, stack)
+        _sync(session.device)
+        start = time.perf_counter()
+        (token,), aux = session.forward(prompt_ids, 1)
+        out: list[int] = []
+        if token not in stops:
+            out.append(token)
+            proposer.reset([*prompt_ids, token], TargetState(aux))
+        # Invariant: the target has processed every token but the last one, out[-1].
+        while out and len(out) < max_new_tokens:
+            processed = len(prompt_ids) + len(out) - 1
+            # No more proposals than the budget can use (a step adds at most k + 1 tokens), so no step
+            # overshoots max_new_tokens; a proposer may return fewer than asked, never more.
+            budget = min(num_spec_tokens, max_new_tokens - len(out) - 1)
+            proposals = proposer.propose(budget)[:budget] if budget else []
+            argmax, aux = session.forward([out[-1], *proposals], len(proposals) + 1)
+            accepted = accepted_length(proposals, argmax)
+            new = [*proposals[:accepted], argmax[accepted]]
+            if proposals:
+                stats.steps += 1
+                stats.proposed += len(proposals)
+                stats.accepted += accepted
+                for i in range(len(proposals)):
+                    stats.per_position_proposed[i] += 1
+                    stats.per_position_accepted[i] += int(i < accepted)
+            stop_at = next((i for i, t in enumerate(new) if t in stops), None)
+            if stop_at is not None:
+                out.extend(new[:stop_at])
+                break
+            out.extend(new)
+            session.crop(processed + 1 + accepted)
+            proposer.accept(new, TargetState(None if aux is None else aux[: accepted + 1]))
+        _sync(session.device)
+        stats.seconds = time.perf_counter() - start
+        stats.new_tokens = len(out)
+        stats.target_forwards = session.forwards
+        return out, stats
