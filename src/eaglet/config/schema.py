@@ -203,6 +203,53 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """A prompt set: the user turns of records [skip, skip + count) of a JSONL file in the shared schema."""
+
+    path: str = MISSING
+    skip: int = 0
+    count: int = 20
+    description: str = ""
+
+
+@dataclass
+class EvalConfig:
+    """Speculative decoding against the real target: the trained head beside n-gram lookup."""
+
+    # A training run folder (outputs/train/<time>); null or "last" = the newest one.
+    run: str | None = None
+    sets: list[str] = field(default_factory=lambda: ["mt_bench_like", "code", "math"])
+    num_spec_tokens: int = 4
+    max_new_tokens: int = 128
+    # Cap on prompts per set (null = the set's count).
+    prompts_per_set: int | None = None
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    # Another draft to compare, in the EAGLE format (a folder with config.json + model.safetensors).
+    baseline_draft: str | None = None
+    device: str = "auto"
+    # bf16 targets may round a K+1-token verification differently from a 1-token step: top-2 logit gaps
+    # below this count as near-ties instead of failing the lossless check. 0 = exact (fp32).
+    tie_tolerance: float = 0.0
+    set_defs: dict[str, EvalSetConfig] = field(default_factory=dict)
+
+
+@dataclass
+class ExportConfig:
+    """Re-export a trained run's head for serving."""
+
+    # A training run folder; null or "last" = the newest one.
+    run: str | None = None
+    # "eagle" (vLLM and SGLang) or "speculators" (vLLM and the speculators package).
+    format: str = "eagle"
+    # null = <run>/export-<format>
+    out_dir: str | None = None
+    overwrite: bool = False
+    # speculators records the target it drafts for; null = model.path (the target's folder or hub id).
+    verifier_name_or_path: str | None = None
+
+
+@dataclass
 class WandbConfig:
     """Weights & Biases tracking; offline unless the user is logged in (WANDB_MODE wins when set)."""
 
@@ -236,5 +283,7 @@ class EagletConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     seed: int = 0
     ckpt_path: str | None = None

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from eaglet.config.schema import DraftConfig
-from eaglet.errors import DataError
+from eaglet.errors import ConfigError, DataError
 from eaglet.model.draft_head import Eagle3DraftHead
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -56,6 +56,9 @@ def aux_layer_ids_of(config: dict[str, Any], where: str) -> list[int]:
 
 def draft_config_of(config: dict[str, Any], where: str) -> DraftConfig:
     missing = [key for key in _REQUIRED_KEYS if key not in config]
+    wrong = [k for k in _REQUIRED_KEYS if k in config and not (isinstance(config[k], int) and config[k] > 0)]
+    if wrong:
+        raise DataError(f"{where}: {wrong} must be positive integers, got {[config[k] for k in wrong]}")
     if missing:
         hint = (
             " (a speculators-format config: export it in EAGLE format)"
@@ -122,13 +125,16 @@ def load_eagle_draft(
     cfg = draft_config_of(config, where)
     vocab = config["vocab_size"]
     state = _read_weights(folder)
-    head = Eagle3DraftHead(
-        cfg,
-        target_hidden_size=config.get("target_hidden_size", cfg.hidden_size),
-        vocab_size=vocab,
-        draft_vocab_size=config.get("draft_vocab_size", vocab),
-        num_aux=len(aux_ids),
-    )
+    try:
+        head = Eagle3DraftHead(
+            cfg,
+            target_hidden_size=config.get("target_hidden_size", cfg.hidden_size),
+            vocab_size=vocab,
+            draft_vocab_size=config.get("draft_vocab_size", vocab),
+            num_aux=len(aux_ids),
+        )
+    except ConfigError as e:  # its messages name eaglet's config keys; here the values come from the file
+        raise DataError(f"{where}: {e}") from e
     _fill_shared(state, head, embed_tokens, folder)
     expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
     if "t2d" not in state:

@@ -34,16 +34,11 @@ class Eagle3Drafter:
 
     def reset(self) -> None:
         attn = self.head.midlayer.self_attn
-        weight = attn.k_proj.weight
-        empty = weight.new_zeros(0, attn.num_kv_heads, attn.head_dim)
+        # On the head's current device and dtype: reset at every new sequence follows a moved head.
+        empty = attn.k_proj.weight.new_zeros(0, attn.num_kv_heads, attn.head_dim)
         self._keys, self._values = empty, empty
         self._context = 0
         self._last_hidden: Tensor | None = None
-
-    @property
-    def context_length(self) -> int:
-        """Number of step-0 entries: positions 0..context_length-1."""
-        return self._context
 
     @torch.inference_mode()
     def append_context(self, next_tokens: Tensor, aux_hidden_states: Tensor) -> Tensor:

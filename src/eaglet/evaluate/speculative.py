@@ -8,6 +8,7 @@ from the output) or after max_new_tokens new tokens, so their outputs must match
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Collection, Sequence
 from contextlib import ExitStack
@@ -93,18 +94,23 @@ class _TargetSession:
             stack.enter_context(HiddenStateCapture(target.parts, aux_layer_ids)) if aux_layer_ids else None
         )
         self.forwards = 0
+        # Ask for the needed logits only (no [S, V] tensor at prefill), under whichever name the model takes.
+        params = inspect.signature(self.model.forward).parameters
+        self._keep_arg = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
 
     def forward(self, ids: Sequence[int], num_logits: int) -> tuple[list[int], torch.Tensor | None]:
-        """Feed `ids` after the cached ones; the argmax at the last `num_logits` positions, and their aux states."""
+        """Feed `ids` after the cached ones; the argmax at the last `num_logits` positions, and the aux states
+        of every fed position (None without capture)."""
+        keep = {self._keep_arg: num_logits} if self._keep_arg else {}
         out = self.model(
             input_ids=torch.tensor([list(ids)], device=self.device),
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=num_logits,
+            **keep,
         )
         self.forwards += 1
         aux = self.capture.result().aux_hidden_states[0] if self.capture else None
-        return out.logits[0].argmax(dim=-1).tolist(), aux
+        return out.logits[0, -num_logits:].argmax(dim=-1).tolist(), aux
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached tokens. A negative count removes that many tokens: transformers 5
@@ -179,7 +185,7 @@ def speculative_decode(
         while out and len(out) < max_new_tokens:
             processed = len(prompt_ids) + len(out) - 1
             # No more proposals than the budget can use (a step adds at most k + 1 tokens), so no step
-            # overshoots max_new_tokens; a proposer may return fewer than asked, never more.
+            # overshoots max_new_tokens; a proposer may return fewer than asked, extra ones are dropped.
             budget = min(num_spec_tokens, max_new_tokens - len(out) - 1)
             proposals = proposer.propose(budget)[:budget] if budget else []
             argmax, aux = session.forward([out[-1], *proposals], len(proposals) + 1)

@@ -45,7 +45,9 @@ def expected_shapes(
     return shapes
 
 
-def eagle_config(head: Eagle3DraftHead, cfg: DraftConfig, aux_layer_ids: list[int]) -> dict:
+def eagle_config(
+    head: Eagle3DraftHead, cfg: DraftConfig, aux_layer_ids: list[int], dtype: torch.dtype = torch.bfloat16
+) -> dict:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -64,7 +66,7 @@ def eagle_config(head: Eagle3DraftHead, cfg: DraftConfig, aux_layer_ids: list[in
         "vocab_size": head.t2d.numel(),
         "draft_vocab_size": head.d2t.numel(),
         "norm_before_residual": cfg.norm_before_residual,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
@@ -100,6 +102,6 @@ def export_eagle(
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_output(out_dir / "model.safetensors") as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-    config = eagle_config(head, cfg, aux_layer_ids)
+    config = eagle_config(head, cfg, aux_layer_ids, dtype)
     atomic_write_bytes(out_dir / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     return out_dir

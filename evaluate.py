@@ -1,0 +1,28 @@
+"""Evaluate a trained head by speculative decoding against the real target, beside n-gram lookup.
+
+python evaluate.py                                         # the newest run, embedded default
+python evaluate.py eval.run=outputs/train/<time> eval.sets=[mt_bench_like,code,math] eval.num_spec_tokens=5
+"""
+
+from pathlib import Path
+
+import hydra
+
+import eaglet.config  # noqa: F401  (registers the config schemas)
+from eaglet.cli import user_errors
+from eaglet.config.schema import EagletConfig
+from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@user_errors
+def main(cfg: EagletConfig) -> None:
+    results = run_evaluation(cfg)
+    run = Path(results["run"])
+    plot = plot_acceptance(results, run / "acceptance.png")
+    print(f"\nper-position acceptance: {plot}\nresults: {run / 'eval.json'}\nserve the head:\n")
+    print(serve_commands(run, cfg.eval.num_spec_tokens))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Export a trained head for serving, checked against the format's tensor-name contract.
+
+python export.py                                           # the newest run, EAGLE format (vLLM, SGLang)
+python export.py export.run=outputs/train/<time> export.format=speculators export.out_dir=/models/draft
+"""
+
+import hydra
+
+import eaglet.config  # noqa: F401  (registers the config schemas)
+from eaglet.cli import user_errors
+from eaglet.config.schema import EagletConfig
+from eaglet.export.stage import run_export
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@user_errors
+def main(cfg: EagletConfig) -> None:
+    out = run_export(cfg)
+    print(f"exported ({cfg.export.format} format, names and shapes checked): {out}")
+
+
+if __name__ == "__main__":
+    main()

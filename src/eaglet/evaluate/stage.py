@@ -1,0 +1,174 @@
+"""The evaluation stage: a trained run's head against the real target, beside n-gram lookup, per prompt set."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from eaglet.config.schema import EagletConfig
+from eaglet.data.conversations import load_conversations
+from eaglet.data.templating import build_prompt_ids, resolve_chat_template
+from eaglet.errors import ConfigError, DataError
+from eaglet.evaluate.draft_loader import load_eagle_draft
+from eaglet.evaluate.metrics import evaluate_prompts, format_table
+from eaglet.evaluate.proposers import Eagle3Proposer, NgramProposer, Proposer
+from eaglet.extract.pipeline import load_dataset
+from eaglet.fsutil import atomic_write_json
+from eaglet.target import LoadedTarget, load_target
+
+RESULTS_FILE = "eval.json"
+
+
+def resolve_run(value: str | None, output_dir: Path) -> Path:
+    """A training run folder; null or "last" = the newest run that has a report."""
+    if value in (None, "last"):
+        runs = sorted(output_dir.glob("train/*/report.json"), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise ConfigError(
+                f"no finished training run under {output_dir}/train; train one (python train.py) or pass eval.run=..."
+            )
+        return runs[-1].parent
+    run = Path(value)
+    if not (run / "draft" / "config.json").is_file():
+        raise DataError(
+            f"{run} holds no finished head (no draft/config.json): pass a run folder of a completed "
+            "python train.py, or let it finish (python train.py ckpt_path=last)"
+        )
+    return run
+
+
+def check_run_target(run: Path, cfg: EagletConfig) -> None:
+    """The head must have been trained for the target being evaluated."""
+    composed = run / ".hydra" / "config.yaml"
+    if not composed.is_file():
+        return
+    trained = OmegaConf.load(composed).model
+    for key in ("name", "hidden_size", "vocab_size"):
+        if trained[key] != cfg.model[key]:
+            raise ConfigError(
+                f"{run} trained a head for model.{key}={trained[key]}, but this evaluation targets "
+                f"model.{key}={cfg.model[key]}; pass model={trained['name']} (or another run)"
+            )
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def training_prompts(cfg: EagletConfig) -> set[str]:
+    """Normalised user turns of the training dataset, to keep evaluation prompts apart from them."""
+    conversations, _ = load_dataset(cfg)
+    return {_normalise(t.content) for c in conversations for t in c.turns if t.role == "user"}
+
+
+def load_prompt_set(
+    cfg: EagletConfig, name: str, tokenizer: Any, template: str, seen: set[str]
+) -> tuple[list[list[int]], int]:
+    """Token ids of the set's prompts (first user turn, generation prompt appended) and how many overlapped training."""
+    if name not in cfg.eval.set_defs:
+        raise ConfigError(
+            f"eval.sets names {name!r}, which is not one of {sorted(cfg.eval.set_defs)} (eval.set_defs)"
+        )
+    spec = cfg.eval.set_defs[name]
+    count = spec.count if cfg.eval.prompts_per_set is None else min(spec.count, cfg.eval.prompts_per_set)
+    conversations, _ = load_conversations([spec.path], max_records=spec.skip + count, require_assistant=False)
+    chosen = conversations[spec.skip :]
+    if not chosen:
+        raise DataError(
+            f"prompt set {name!r}: {spec.path} has no records after the first {spec.skip}; lower eval.set_defs.{name}.skip"
+        )
+    prompts, overlap = [], 0
+    for conv in chosen:
+        first_user = next(t for t in conv.turns if t.role == "user")
+        if _normalise(first_user.content) in seen:
+            overlap += 1
+            continue
+        prompts.append(build_prompt_ids(tokenizer, [first_user], chat_template=template))
+    return prompts, overlap
+
+
+def build_proposers(cfg: EagletConfig, run: Path, target: LoadedTarget) -> dict[str, Proposer]:
+    embed = target.parts.embed_tokens.weight.detach().float().cpu()
+    head, _, aux_ids = load_eagle_draft(run / "draft", embed_tokens=embed)
+    proposers: dict[str, Proposer] = {
+        "eaglet": Eagle3Proposer(head.to(target.device), aux_ids),
+        "ngram": NgramProposer(min_n=cfg.eval.ngram_min_n, max_n=cfg.eval.ngram_max_n),
+    }
+    if cfg.eval.baseline_draft:
+        other, _, other_ids = load_eagle_draft(cfg.eval.baseline_draft, embed_tokens=embed)
+        proposers["baseline"] = Eagle3Proposer(other.to(target.device), other_ids)
+    return proposers
+
+
+def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
+    """Evaluate every configured set; results are written to <run>/eval.json and returned."""
+    ev = cfg.eval
+    if ev.num_spec_tokens < 1:
+        raise ConfigError(f"eval.num_spec_tokens must be >= 1, got {ev.num_spec_tokens}")
+    run = resolve_run(ev.run, Path(cfg.paths.output_dir))
+    if not (run / "draft" / "config.json").is_file():
+        raise DataError(f"{run} holds no finished head (no draft/config.json)")
+    check_run_target(run, cfg)
+    target = load_target(cfg.model, device=ev.device, cache_dir=Path(cfg.paths.cache_dir))
+    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
+    proposers = build_proposers(cfg, run, target)
+    seen = training_prompts(cfg)
+    stop_ids = {target.tokenizer.eos_token_id}
+    results: dict[str, Any] = {"run": str(run), "num_spec_tokens": ev.num_spec_tokens, "sets": {}}
+    for name in ev.sets:
+        prompts, overlap = load_prompt_set(cfg, name, target.tokenizer, template, seen)
+        per_proposer = evaluate_prompts(
+            target,
+            proposers,
+            prompts,
+            num_spec_tokens=ev.num_spec_tokens,
+            max_new_tokens=ev.max_new_tokens,
+            stop_ids=stop_ids,
+            tie_tolerance=ev.tie_tolerance,
+        )
+        results["sets"][name] = {"prompts": len(prompts), "overlap_dropped": overlap, "results": per_proposer}
+        print(f"\n{name}: {len(prompts)} prompts ({overlap} overlapping training prompts dropped)")
+        print(format_table(per_proposer))
+    atomic_write_json(run / RESULTS_FILE, results)
+    return results
+
+
+def serve_commands(run: Path, num_spec_tokens: int) -> str:
+    """The exact commands that serve the exported head with vLLM and SGLang."""
+    draft = (run / "draft").resolve()
+    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_spec_tokens})
+    return (
+        f"vllm serve TARGET --speculative-config '{spec}'\n"
+        f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {draft} --speculative-num-steps {num_spec_tokens} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {num_spec_tokens + 1}"
+    )
+
+
+def plot_acceptance(results: dict[str, Any], path: Path) -> Path:
+    """Per-position acceptance rate of each proposer, one panel per prompt set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = results["sets"]
+    fig, axes = plt.subplots(1, len(sets), figsize=(4 * len(sets), 3.2), squeeze=False, sharey=True)
+    for ax, (name, entry) in zip(axes[0], sets.items(), strict=True):
+        for proposer, r in entry["results"].items():
+            rates = r["acceptance_rates"]
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{proposer} (τ={r['tau']:.2f})")
+        ax.set_title(f"{name} ({entry['prompts']} prompts)")
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("acceptance rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,108 @@
+"""evaluate.py and export.py on a run trained here (tiny random Llama target)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_train import shards, train_overrides  # noqa: F401  (module fixture: shards by the real extraction)
+
+from eaglet.errors import ConfigError, DataError
+from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
+from eaglet.export.stage import run_export
+from eaglet.export.validate import check_speculators_folder
+from eaglet.train.run import run_training
+
+
+@pytest.fixture(scope="module")
+def run_dir(shards: Path, tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:  # noqa: F811
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    import eaglet.config
+
+    out = tmp_path_factory.mktemp("outputs")
+    with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
+        cfg = hydra.compose(
+            "config", overrides=[f"paths.cache_dir={model_cache}", *train_overrides(shards, out)]
+        )
+    GlobalHydra.instance().clear()
+    run_training(cfg, out / "train" / "run")
+    return out / "train" / "run"
+
+
+def eval_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:  # noqa: F811
+    return [
+        *train_overrides(shards, run_dir.parent.parent),
+        f"eval.run={run_dir}",
+        "eval.sets=[code,math]",
+        "eval.prompts_per_set=2",
+        "eval.max_new_tokens=12",
+        "eval.num_spec_tokens=3",
+        *extra,
+    ]
+
+
+def test_evaluation_reports_both_proposers_and_stays_lossless(compose, shards, run_dir: Path) -> None:  # noqa: F811
+    results = run_evaluation(compose(*eval_overrides(shards, run_dir)))
+    assert set(results["sets"]) == {"code", "math"}
+    for entry in results["sets"].values():
+        assert entry["prompts"] == 2
+        assert set(entry["results"]) == {"eaglet", "ngram"}
+        for r in entry["results"].values():
+            assert 1.0 <= r["tau"] <= 4.0 and len(r["acceptance_rates"]) == 3
+    assert json.loads((run_dir / "eval.json").read_text())["num_spec_tokens"] == 3
+    assert plot_acceptance(results, run_dir / "acceptance.png").stat().st_size > 1000
+    assert '"num_speculative_tokens": 3' in serve_commands(run_dir, 3)
+
+
+def test_prompts_seen_in_training_are_dropped(compose, shards, run_dir: Path) -> None:  # noqa: F811
+    # The training dataset is oasst_en100 (first 30 records): an eval set over the same records overlaps fully.
+    same = [
+        "eval.sets=[code]",
+        "eval.set_defs.code.path=${paths.shared_data}/oasst_en100.jsonl",
+        "eval.set_defs.code.skip=0",
+        "eval.set_defs.code.count=3",
+    ]
+    results = run_evaluation(compose(*eval_overrides(shards, run_dir), *same))
+    assert results["sets"]["code"]["overlap_dropped"] == 2 and results["sets"]["code"]["prompts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "match"),
+    [
+        (["eval.num_spec_tokens=0"], ConfigError, "num_spec_tokens"),
+        (["eval.sets=[nope]"], ConfigError, "nope"),
+        (["eval.set_defs.code.skip=100000"], DataError, "no records after"),
+    ],
+)
+def test_bad_evaluation_settings(compose, shards, run_dir: Path, extra, error, match) -> None:  # noqa: F811
+    with pytest.raises(error, match=match):
+        run_evaluation(compose(*eval_overrides(shards, run_dir), *extra))
+
+
+def test_a_run_without_a_head_or_for_another_target(compose, shards, run_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    with pytest.raises(DataError, match="no finished head"):
+        run_evaluation(compose(*eval_overrides(shards, run_dir), f"eval.run={tmp_path}"))
+    (run_dir / ".hydra").mkdir(exist_ok=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(
+        "model: {name: other, hidden_size: 64, vocab_size: 49152}\n"
+    )
+    try:
+        with pytest.raises(ConfigError, match="model.name=other"):
+            run_evaluation(compose(*eval_overrides(shards, run_dir)))
+    finally:
+        (run_dir / ".hydra" / "config.yaml").unlink()
+
+
+def test_export_both_formats_and_refuse_a_full_folder(compose, shards, run_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    base = [*train_overrides(shards, run_dir.parent.parent), f"export.run={run_dir}"]
+    out = run_export(compose(*base, f"export.out_dir={tmp_path / 'eagle'}"))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(ConfigError, match="export.overwrite=true"):
+        run_export(compose(*base, f"export.out_dir={tmp_path / 'eagle'}"))
+    spec = run_export(compose(*base, "export.format=speculators", f"export.out_dir={tmp_path / 'spec'}"))
+    assert check_speculators_folder(spec)
+    with pytest.raises(ConfigError, match="export.format"):
+        run_export(compose(*base, "export.format=gguf"))
