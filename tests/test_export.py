@@ -449,3 +449,15 @@ def test_speculators_loads_export_with_identical_logits(
         valid = t - 1 - k
         torch.testing.assert_close(theirs[k, :valid], ours[k, :valid], rtol=1e-4, atol=1e-4, msg=f"step {k}")
     assert ours.std() > 0.1  # random weights: the comparison is not between two near-constant tensors
+
+
+def test_the_evaluator_loads_a_speculators_folder_as_a_baseline(
+    speculators_dir: Path, head: Eagle3DraftHead
+) -> None:
+    from eaglet.evaluate.draft_loader import load_eagle_draft
+
+    loaded, _, aux_ids = load_eagle_draft(speculators_dir)
+    assert aux_ids == AUX
+    hidden = torch.randn(5, head.hidden_size)
+    torch.testing.assert_close(loaded.logits(hidden), head.logits(hidden))  # fp32 on disk
+    assert torch.equal(loaded.d2t, head.d2t)

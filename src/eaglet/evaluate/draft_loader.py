@@ -29,8 +29,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise DataError(
-            f"{path} does not exist; point at an EAGLE-format draft folder (config.json + model.safetensors), "
-            "as written by eaglet's export"
+            f"{path} does not exist; point at an EAGLE- or speculators-format draft folder (config.json + "
+            "model.safetensors), as written by eaglet's export"
         )
     try:
         config = json.loads(path.read_text())
@@ -39,6 +39,20 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise DataError(f"{path} must hold a JSON object, got {type(config).__name__}")
     return config
+
+
+def flatten_speculators(config: dict[str, Any]) -> dict[str, Any]:
+    """A speculators-format config seen as an EAGLE one: the layer's LlamaConfig plus the head's own fields."""
+    if "speculators_model_type" not in config:
+        return config
+    layer = config.get("transformer_layer_config") or {}
+    own = (
+        "draft_vocab_size",
+        "norm_before_residual",
+        "eagle_aux_hidden_state_layer_ids",
+        "target_hidden_size",
+    )
+    return {**layer, **{key: config[key] for key in own if key in config}}
 
 
 def aux_layer_ids_of(config: dict[str, Any], where: str) -> list[int]:
@@ -60,12 +74,7 @@ def draft_config_of(config: dict[str, Any], where: str) -> DraftConfig:
     if wrong:
         raise DataError(f"{where}: {wrong} must be positive integers, got {[config[k] for k in wrong]}")
     if missing:
-        hint = (
-            " (a speculators-format config: export it in EAGLE format)"
-            if "speculators_model_type" in config
-            else ""
-        )
-        raise DataError(f"{where}: missing keys {missing}{hint}")
+        raise DataError(f"{where}: missing keys {missing}")
     if config.get("num_hidden_layers", 1) != 1:
         raise DataError(
             f"{where}: num_hidden_layers={config['num_hidden_layers']}; an EAGLE-3 head has one layer"
@@ -119,7 +128,7 @@ def load_eagle_draft(
         raise DataError(
             f"draft folder {folder} does not exist; export a trained head first (or fix the path)"
         )
-    config = _read_config(folder)
+    config = flatten_speculators(_read_config(folder))
     where = str(folder / CONFIG_FILE)
     aux_ids = aux_layer_ids_of(config, where)
     cfg = draft_config_of(config, where)
