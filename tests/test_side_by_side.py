@@ -1,0 +1,139 @@
+"""experiments/side_by_side_speculators.py on shards written by the real extraction (tiny random Llama target)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import data_overrides, shards  # noqa: F401  (module fixture: shards by the real extraction)
+
+from eaglet.config import PROJECT_ROOT
+from eaglet.errors import ConfigError
+from eaglet.extract.pipeline import TARGET_HEAD_FILE
+from eaglet.shards import build_vocab_mapping, load_token_counts, read_manifest
+from eaglet.train.datamodule import ShardDataModule
+from eaglet.train.run import build_module
+
+SCRIPT = PROJECT_ROOT / "experiments" / "side_by_side_speculators.py"
+TTT = 3
+
+
+@pytest.fixture(scope="module")
+def sbs() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("side_by_side_speculators", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_args(shards: Path, model_cache: Path) -> list[str]:  # noqa: F811
+    return [
+        f"shards={shards}",
+        f"paths.cache_dir={model_cache}",
+        *data_overrides(shards),
+        "hardware.tokens_per_device=512",
+        "trainer.global_batch_tokens=1024",
+    ]
+
+
+def random_row(hidden: int, vocab: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A speculators-format row: two documents (positions from 1, as after its shift) and padding (-1)."""
+    lengths, padding = (20, 17), 7
+    docs = [torch.full((n,), d) for d, n in enumerate(lengths)] + [torch.full((padding,), -1)]
+    positions = [torch.arange(1, n + 1) for n in lengths] + [torch.zeros(padding, dtype=torch.long)]
+    size = sum(lengths) + padding
+    return {
+        "hidden_states": torch.randn(1, size, 3 * hidden, generator=generator),
+        "input_ids": torch.randint(0, vocab, (1, size), generator=generator),
+        "document_ids": torch.cat(docs)[None],
+        "position_ids": torch.cat(positions)[None],
+    }
+
+
+def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_cache: Path) -> None:  # noqa: F811
+    opts, overrides = sbs.parse_args(script_args(shards, model_cache))
+    cfg = sbs.compose_config(opts, overrides)
+    manifest = read_manifest(shards)
+    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.model.draft_vocab_size)
+    torch.manual_seed(0)
+    module = build_module(cfg, manifest, total_steps=2)
+    module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
+    ours = module.head.eval()
+    theirs = sbs.build_speculators(module, cfg, manifest).eval()
+    assert theirs.layers[0].self_attn.config._attn_implementation == "eager"
+    assert not theirs.lm_head.weight.requires_grad and not ours.lm_head.weight.requires_grad
+    row = random_row(manifest.hidden_size, manifest.vocab_size, torch.Generator().manual_seed(1))
+
+    # Ours copied into theirs: the same logits at every TTT step.
+    assert sbs.logit_difference(theirs, ours, row, TTT) < 1e-4
+    # Their weights moved away from ours, then converted back into a head: again the same logits.
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert sbs.logit_difference(theirs, ours, row, TTT) > 1e-2
+    converted = sbs.to_eaglet_head(theirs, cfg, manifest)
+    assert sbs.logit_difference(theirs, converted, row, TTT) < 1e-4
+    assert torch.equal(converted.d2t, ours.d2t) and torch.equal(converted.t2d, ours.t2d)
+
+
+def test_micro_batch_is_repacked_with_speculators_shift(sbs, shards: Path) -> None:  # noqa: F811
+    datamodule = ShardDataModule(shards, 512, val_fraction=0.0, seed=0, num_workers=0)
+    datamodule.setup()
+    batch = next(iter(datamodule.train_dataloader()))
+    row = sbs.speculators_batch(batch)
+    first = int((batch["document_ids"] == 0).sum())
+    docs = int(batch["document_ids"][int(batch["num_real_tokens"]) - 1]) + 1
+    # Each document loses its first token; features stay at t, the token and the teacher state move to t+1.
+    assert int((row["document_ids"] >= 0).sum()) == int(batch["num_real_tokens"]) - docs
+    assert torch.equal(row["input_ids"][0, : first - 1], batch["input_ids"][1:first])
+    assert torch.equal(row["loss_mask"][0, : first - 1], batch["loss_mask"][1:first])
+    assert torch.equal(row["hidden_states"][0, : first - 1], batch["aux_hidden_states"][: first - 1].float())
+    assert torch.equal(row["verifier_last_hidden_states"][0, 0], batch["last_hidden_state"][1].float())
+    assert torch.equal(row["position_ids"][0, : first - 1], torch.arange(1, first))
+
+
+def test_script_trains_both_converts_and_reports(
+    sbs,
+    shards: Path,  # noqa: F811
+    model_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench = tmp_path / "BENCHMARKS.md"
+    monkeypatch.setattr(sbs, "BENCH_FILE", bench)
+    args = [*script_args(shards, model_cache), "steps=2", "prompts=1", "max_new_tokens=8", "eval.sets=[code]"]
+    results = sbs.main(args)
+
+    for side in ("eaglet", "speculators"):
+        trained = results["training"][side]
+        assert trained["steps"] == 2 and trained["seconds"] > 0
+        assert len(trained["losses"]) == 2 and all(math.isfinite(x) and x > 0 for x in trained["losses"])
+    assert results["conversion_diff"] < 1e-3
+    code = results["sets"]["code"]
+    assert code["prompts"] == 1 and set(code["results"]) == {"eaglet", "speculators", "ngram"}
+    rows = [line for line in sbs.format_table(results).splitlines() if "| code |" in line]
+    assert [row.split(" | ")[4] for row in rows] == ["eaglet", "speculators", "ngram"]
+    assert all(len(row.split(" | ")) == 6 + TTT + 2 for row in rows)
+    text = bench.read_text()
+    assert "### Side by side with speculators" in text and "steps=2" in text
+    assert "| code | 1 | speculators |" in text and "`eager` attention" in text
+
+
+@pytest.mark.parametrize(
+    ("arg", "match"), [("steps=x", "integer"), ("ttt=0", ">= 1"), ("bogus", "key=value")]
+)
+def test_bad_options_are_refused(sbs, arg: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        sbs.parse_args([arg])
+
+
+def test_other_arguments_become_hydra_overrides(sbs) -> None:
+    opts, overrides = sbs.parse_args(["steps=7", "model=tiny_llama", "shards=/x"])
+    assert opts["steps"] == 7 and opts["shards"] == "/x" and overrides == ["model=tiny_llama"]
