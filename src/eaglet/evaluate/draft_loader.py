@@ -8,7 +8,6 @@ caller passes the target's embedding; `t2d` may be absent (servers ignore it): i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch import Tensor
 
 from eaglet.config.schema import DraftConfig
 from eaglet.errors import ConfigError, DataError
+from eaglet.export.validate import read_json_object
 from eaglet.model.draft_head import Eagle3DraftHead
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -26,19 +26,7 @@ _REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vo
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise DataError(
-            f"{path} does not exist; point at an EAGLE- or speculators-format draft folder (config.json + "
-            "model.safetensors), as written by eaglet's export"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON (line {e.lineno}): {e.msg}") from e
-    if not isinstance(config, dict):
-        raise DataError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
+    return read_json_object(folder / CONFIG_FILE)
 
 
 def flatten_speculators(config: dict[str, Any]) -> dict[str, Any]:

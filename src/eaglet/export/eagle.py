@@ -45,6 +45,18 @@ def expected_shapes(
     return shapes
 
 
+def contract_problems(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Unexpected, missing and mis-shaped tensors of `state` against the expected names and shapes."""
+    problems = [f"unexpected tensor {n}" for n in state if n not in expected]
+    problems += [f"missing tensor {n}" for n in expected if n not in state]
+    problems += [
+        f"{n}: shape {tuple(state[n].shape)}, expected {shape}"
+        for n, shape in expected.items()
+        if n in state and tuple(state[n].shape) != shape
+    ]
+    return problems
+
+
 def eagle_config(
     head: Eagle3DraftHead, cfg: DraftConfig, aux_layer_ids: list[int], dtype: torch.dtype = torch.bfloat16
 ) -> dict:
@@ -89,13 +101,7 @@ def export_eagle(
     if not include_embed:
         state.pop("embed_tokens.weight", None)
     expected = expected_shapes(head, cfg, include_embed=include_embed)
-    problems = [f"unexpected tensor {n}" for n in state if n not in expected]
-    problems += [f"missing tensor {n}" for n in expected if n not in state]
-    problems += [
-        f"{n}: shape {tuple(state[n].shape)}, expected {shape}"
-        for n, shape in expected.items()
-        if n in state and tuple(state[n].shape) != shape
-    ]
+    problems = contract_problems(state, expected)
     if problems:
         raise DataError(f"refusing to export a head that breaks the serving contract: {'; '.join(problems)}")
     tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in state.items()}

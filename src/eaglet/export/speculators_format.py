@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from eaglet.config.schema import DraftConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.export.eagle import expected_shapes
+from eaglet.export.eagle import contract_problems, expected_shapes
 from eaglet.fsutil import atomic_output, atomic_write_bytes
 from eaglet.model.draft_head import Eagle3DraftHead
 
@@ -185,13 +185,7 @@ def export_speculators(
         for name in VOCAB_BUFFERS:
             state.pop(name, None)
     expected = expected_speculators_shapes(head, cfg)
-    problems = [f"unexpected tensor {n}" for n in state if n not in expected]
-    problems += [f"missing tensor {n}" for n in expected if n not in state]
-    problems += [
-        f"{n}: shape {tuple(state[n].shape)}, expected {shape}"
-        for n, shape in expected.items()
-        if n in state and tuple(state[n].shape) != shape
-    ]
+    problems = contract_problems(state, expected)
     if problems:
         raise DataError(
             f"refusing to export a head that breaks the speculators contract: {'; '.join(problems)}"

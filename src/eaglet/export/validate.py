@@ -44,7 +44,7 @@ _DIMS = (
 )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DataError(
             f"{path} does not exist; point at an exported draft folder (config.json + model.safetensors)"
@@ -171,7 +171,7 @@ def _raise(folder: Path, kind: str, problems: list[str]) -> None:
 def check_eagle_folder(folder: Path) -> dict[str, Any]:
     """Check an EAGLE-format folder (EAGLE3.md section 4) against the contract; return its config."""
     where = f"{CONFIG_FILE}: "
-    config = _read_json(folder / CONFIG_FILE)
+    config = read_json_object(folder / CONFIG_FILE)
     problems = []
     if config.get("architectures") != [eagle.ARCHITECTURE]:
         problems.append(
@@ -245,7 +245,7 @@ def _check_speculators_config(spec: Any, where: str) -> list[str]:
 def check_speculators_folder(folder: Path) -> dict[str, Any]:
     """Check a speculators-format folder (see `eaglet.export.speculators_format`); return its config."""
     where = f"{CONFIG_FILE}: "
-    config = _read_json(folder / CONFIG_FILE)
+    config = read_json_object(folder / CONFIG_FILE)
     problems = []
     if config.get("speculators_model_type") != ALGORITHM:
         problems.append(
