@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: help setup run extract train test test-fast lint bench bench-gpu clean
+.PHONY: help setup run extract train plan test test-fast lint bench bench-gpu clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -35,6 +35,9 @@ extract: setup  ## extract hidden-state shards (ARGS="model=... dataset=...")
 train: setup  ## train the draft head on existing shards (ARGS="hardware=... trainer.ttt_steps=...")
 	$(BIN)/python train.py $(ARGS)
 
+plan: setup  ## estimate disk, time and serving speedup (ARGS="model=kimi_k2_5 plan.compare=[rtx_pro6000_x8,b200_nvl8]")
+	$(BIN)/python plan.py $(ARGS)
+
 test: setup  ## the whole test suite, end-to-end tests included
 	$(BIN)/python -m pytest -q $(ARGS)
 
@@ -54,6 +57,8 @@ bench-gpu:  ## GPU benchmarks at Llama-3.1-8B and Kimi-K2.5 shapes (random weigh
 	python experiments/bench_extract.py model=llama3_1_8b model.source=random bench.batch_tokens=65536 \
 		bench.tokens=262144 bench.min_len=512 bench.max_len=4096
 	python experiments/bench_train.py shapes=llama3_1_8b,kimi_k2_5 ttt=3,7
+	# eaglet against speculators' Eagle3 model in one process (needs speculators and its imports; see the script)
+	python experiments/bench_gpu_side_by_side.py
 
 clean:  ## remove outputs and caches (keeps data/ and .venv)
 	rm -rf outputs .pytest_cache .ruff_cache

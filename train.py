@@ -3,6 +3,7 @@
 python train.py                                     # embedded default on this CPU (run extract.py first)
 python train.py hardware=b200_nvl8 model=kimi_k2_5 trainer.ttt_steps=7 model.draft_vocab_size=32000
 python train.py ckpt_path=last                      # resume the newest run
+python train.py sweeps=draft_length_vocab           # a sweep (sweeps/*.yaml); each trial returns its objective
 """
 
 from pathlib import Path
@@ -20,6 +21,10 @@ from eaglet.train.run import run_training
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @user_errors
 def main(cfg: EagletConfig) -> float | None:
+    if cfg.sweep.enabled:  # a sweep trial: never raises, returns the sweep's objective (None if it failed)
+        from eaglet.sweeps.trial import run_trial
+
+        return run_trial(cfg, Path(HydraConfig.get().runtime.output_dir))
     summary = run_training(cfg, Path(HydraConfig.get().runtime.output_dir))
     if summary is None:  # not rank 0
         return None

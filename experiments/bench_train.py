@@ -2,6 +2,7 @@
 
     python experiments/bench_train.py                              # tiny shapes on this CPU (smoke)
     python experiments/bench_train.py shapes=llama3_1_8b,kimi_k2_5 ttt=3,7   # on a GPU
+    python experiments/bench_train.py shapes=kimi_k2_5 ttt=3 compile=1 embed_bf16=1   # compiled layer, bf16 embeddings
 
 Shards are written by the real writer (documents of `doc_tokens` tokens, the first ~40% of each a prompt
 with loss mask 0), read back through the real data module (memory maps, packing into `batch_tokens`-token
@@ -46,7 +47,7 @@ SHAPES = {
     "kimi_k2_5": (7168, 64, 64, 128, 18432, 163840),
 }
 OPTS = {"shapes": "tiny", "ttt": "3", "draft_vocab": 32000, "batch_tokens": 8192, "doc_tokens": 2048, "docs": 16,
-        "steps": 12, "warmup": 3, "lm_head_trainable": 0}  # fmt: skip
+        "steps": 12, "warmup": 3, "lm_head_trainable": 0, "compile": 0, "embed_bf16": 0}  # fmt: skip
 
 
 def write_synthetic_shards(directory: Path, shape: tuple, opts: dict, device: torch.device) -> None:
@@ -119,7 +120,8 @@ def run_case(name: str, ttt: int, opts: dict, device: torch.device, work: Path) 
         target_hidden_size=hidden, vocab_size=vocab, draft_vocab_size=draft_vocab, num_aux=3, target_norm_eps=1e-5,
         ttt_steps=ttt, step_loss_decay=1.0, lr=1e-4, weight_decay=0.0, warmup_ratio=0.0, total_steps=100,
         lm_head_trainable=bool(opts["lm_head_trainable"]), mask_outside_draft_vocab=False, feature_noise_std=0.0,
-        loss_chunk_tokens=2048,
+        loss_chunk_tokens=2048, compile=bool(opts["compile"]),
+        embed_dtype="bfloat16" if opts["embed_bf16"] else None,
     )  # fmt: skip
     d2t, t2d = build_vocab_mapping(load_token_counts(directory), draft_vocab)
     module.init_from_target(load_file(directory / "target_head.safetensors"), d2t, t2d)

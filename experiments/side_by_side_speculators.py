@@ -20,7 +20,8 @@ position is masked for a teacher argmax outside the draft vocab (speculators doe
   prediction by the loss mask of the token it reads, ours by that of the token it predicts: the same tokens,
   one position apart at the edges of each assistant turn.
 
-Training runs on CPU (evaluation on `eval.device`). The trained speculators model is converted into an `Eagle3DraftHead` (the inverse name
+Training runs on the hardware config's device (a GPU: bf16 autocast for both, speculators' own flex attention;
+CPU: fp32, eager attention for speculators), evaluation on `eval.device`. The trained speculators model is converted into an `Eagle3DraftHead` (the inverse name
 mapping), checked against its own forward (logits of every TTT step on one micro-batch), and both heads are
 evaluated by real speculative decoding against the target (`evaluate_prompts`), beside n-gram lookup, with
 K = ttt, on the default prompt sets (`prompts` per set, prompts seen in training dropped). The table is printed
@@ -59,6 +60,7 @@ from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate import Eagle3Proposer, NgramProposer, evaluate_prompts
 from eaglet.evaluate.draft_loader import canonical_name
 from eaglet.evaluate.stage import load_prompt_set, training_prompts
+from eaglet.export.eagle import export_eagle
 from eaglet.export.speculators_format import VOCAB_BUFFERS, speculators_config, speculators_name
 from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
 from eaglet.model.attention import document_causal_mask
@@ -71,7 +73,10 @@ from eaglet.train.module import DraftHeadModule
 from eaglet.train.run import build_module, check_manifest
 
 BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
-OPTS: dict[str, Any] = {"shards": None, "steps": 96, "ttt": 3, "prompts": 5, "max_new_tokens": 64}
+OPTS: dict[str, Any] = {"shards": None, "steps": 96, "ttt": 3, "prompts": 5, "max_new_tokens": 64, "evaluate": 1,
+                        "save": None}  # fmt: skip
+# `save=DIR` writes both trained heads in the EAGLE format (DIR/eaglet, DIR/speculators); `evaluate=0` skips the
+# evaluation (e.g. train on a GPU machine, evaluate elsewhere with evaluate.py eval.baseline_draft=DIR/speculators).
 # speculators' teacher: frozen copies of the target's final norm and draft-vocab lm_head rows. They are not
 # part of the draft head (speculators does not save them either).
 VERIFIER_TENSORS = ("verifier_lm_head.weight", "verifier_norm.weight")
@@ -98,14 +103,14 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             )
         if key not in OPTS:
             overrides.append(arg)
-        elif key == "shards":
+        elif key in ("shards", "save"):
             opts[key] = value
         else:
             try:
                 opts[key] = int(value)
             except ValueError:
                 raise ConfigError(f"{key}={value!r} must be an integer") from None
-            if opts[key] < 1:
+            if opts[key] < 1 and key != "evaluate":
                 raise ConfigError(f"{key}={value} must be >= 1")
     return opts, overrides
 
@@ -130,8 +135,11 @@ def compose_config(opts: dict[str, Any], overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
 
 
-def build_speculators(module: DraftHeadModule, cfg: DictConfig, manifest: Manifest) -> Eagle3DraftModel:
-    """speculators' model from the config our speculators export writes, eager attention, our weights copied in."""
+def build_speculators(
+    module: DraftHeadModule, cfg: DictConfig, manifest: Manifest, device: torch.device
+) -> Eagle3DraftModel:
+    """speculators' model from the config our speculators export writes, our weights copied in: its own flex
+    attention on GPUs, eager attention on CPU (its flex attention has no CPU backward)."""
     head = module.head
     config = speculators_config(
         head,
@@ -143,7 +151,9 @@ def build_speculators(module: DraftHeadModule, cfg: DictConfig, manifest: Manife
         dtype=torch.float32,
     )
     spec_config = Eagle3SpeculatorConfig(**config)
-    spec_config.transformer_layer_config._attn_implementation = "eager"
+    spec_config.transformer_layer_config._attn_implementation = (
+        "simple_flex_attention" if device.type == "cuda" else "eager"
+    )
     model = Eagle3DraftModel(spec_config)
     state = {speculators_name(name): t.detach().clone() for name, t in head.state_dict().items()}
     if not model.use_draft_vocab:  # V_d == V: speculators registers no vocab buffers
@@ -282,9 +292,13 @@ class Side:
 
     def accumulate(self, batch: dict[str, Tensor], accumulate: int) -> None:
         start = time.perf_counter()
-        loss = self.loss_fn(batch)
+        device = self.params[0].device
+        # bf16 autocast on GPUs, as Lightning's bf16-mixed precision trains ours.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = self.loss_fn(batch)
         # Lightning's accumulation: each micro-batch's loss scaled by 1/accumulate.
         (loss / accumulate).backward()
+        _synchronize(device)
         self.seconds += time.perf_counter() - start
         self._pending.append(float(loss.detach()))
 
@@ -295,9 +309,19 @@ class Side:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        _synchronize(self.params[0].device)
         self.seconds += time.perf_counter() - start
         self.losses.append(sum(self._pending) / len(self._pending))
         self._pending.clear()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":  # wall time of the work itself, not of its launch
+        torch.cuda.synchronize(device)
+
+
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def make_sides(module: DraftHeadModule, model: Eagle3DraftModel, cfg: DictConfig) -> list[Side]:
@@ -313,7 +337,7 @@ def make_sides(module: DraftHeadModule, model: Eagle3DraftModel, cfg: DictConfig
 
     def their_loss(batch: dict[str, Tensor]) -> Tensor:
         _, loss, _ = model(
-            **speculators_batch(batch),
+            **to_device(speculators_batch(batch), module.device),
             ttt_steps=tr.ttt_steps,
             ttt_step_loss_decay=tr.step_loss_decay,
             loss_config=loss_config,
@@ -323,7 +347,7 @@ def make_sides(module: DraftHeadModule, model: Eagle3DraftModel, cfg: DictConfig
     return [
         Side(
             "eaglet",
-            lambda batch: module._run(batch, noise=False).loss,
+            lambda batch: module._run(to_device(batch, module.device), noise=False).loss,
             [p for p in module.head.parameters() if p.requires_grad],
             optimizer,
             scheduler,
@@ -410,12 +434,23 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     torch.manual_seed(tr.seed)
     module = build_module(cfg, manifest, total_steps=tr.max_steps)
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
-    model = build_speculators(module, cfg, manifest)
+    device = torch.device(
+        "cuda" if cfg.hardware.accelerator == "gpu" and torch.cuda.is_available() else "cpu"
+    )
+    model = build_speculators(module, cfg, manifest, device).to(device)
+    module.to(device)
     module.train()
     model.train()
     sides = make_sides(module, model, cfg)
     train_both(sides, datamodule, tr.max_steps, plan.accumulate_grad_batches, tr.grad_clip)
 
+    module.float().cpu()
+    if (
+        device.type == "cuda"
+    ):  # the conversion is checked in fp32 on CPU, with eager attention, as on the CPU path
+        trained = {k: v.float().cpu() for k, v in model.state_dict().items()}
+        model = build_speculators(module, cfg, manifest, torch.device("cpu"))
+        model.load_state_dict(trained)
     model.eval()
     converted = to_eaglet_head(model, cfg, manifest)
     check_row = speculators_batch(next(micro_batches(datamodule)))
@@ -426,8 +461,13 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             f"(> {CONVERSION_TOLERANCE}); the name mapping or the layer semantics diverged"
         )
     heads = {"eaglet": module.head.eval().requires_grad_(False), "speculators": converted}
+    if opts["save"]:
+        for name, head in heads.items():
+            export_eagle(
+                head, draft_config(cfg), Path(opts["save"]) / name, aux_layer_ids=manifest.aux_layer_ids
+            )
     return {
-        "sets": evaluate_heads(cfg, heads, manifest.aux_layer_ids),
+        "sets": evaluate_heads(cfg, heads, manifest.aux_layer_ids) if opts["evaluate"] else {},
         "training": {
             s.name: {"steps": len(s.losses), "seconds": s.seconds, "losses": s.losses} for s in sides
         },
@@ -439,6 +479,8 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
 
 
 def machine() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
@@ -479,6 +521,12 @@ def append_benchmark(results: dict[str, Any], command: str, table: str) -> None:
 def main(argv: list[str]) -> dict[str, Any]:
     opts, overrides = parse_args(argv)
     results = run(opts, overrides)
+    if not opts["evaluate"]:  # trained (and saved) only: nothing to tabulate
+        for name, t in results["training"].items():
+            print(
+                f"{name}: {t['steps']} steps in {t['seconds']:.0f} s, loss {t['losses'][0]:.3f} → {t['losses'][-1]:.3f}"
+            )
+        return results
     table = format_table(results)
     print(f"\n{table}\n\n{attention_note(results)}")
     append_benchmark(results, " ".join(["python experiments/side_by_side_speculators.py", *argv]), table)

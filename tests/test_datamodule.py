@@ -1,9 +1,10 @@
-"""ShardDataModule: split, loaders with and without workers, checks, and resuming inside Lightning."""
+"""ShardDataModule: split, loaders with workers, threads or neither, checks, and resuming inside Lightning."""
 
 from __future__ import annotations
 
 import json
 import struct
+import time
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -18,7 +19,8 @@ from test_packing import BUDGET, N_AUX, H, random_lengths, write_dataset
 
 from eaglet.errors import ConfigError, DataError
 from eaglet.shards import ShardReader
-from eaglet.train.datamodule import ShardDataModule
+from eaglet.train.datamodule import ShardDataModule, all_finite
+from eaglet.train.prefetch import PrefetchLoader
 
 NUM_SEQUENCES = 36
 
@@ -95,6 +97,58 @@ def test_workers_yield_the_same_batches_and_map_shards_themselves(tmp_path: Path
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def reference_row(
+    reader: ShardReader, indices: list[int], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """One packed row built the plain way: whole sequences concatenated, truncated to the budget, zero-padded."""
+    seqs = [reader.sequence(i) for i in indices]
+    sizes = [min(len(seq["input_ids"]), BUDGET) for seq in seqs]
+    pad = BUDGET - sum(sizes)
+
+    def cat(name: str) -> torch.Tensor:
+        parts = [seq[name][:n].reshape(n, -1) for seq, n in zip(seqs, sizes, strict=True)]
+        return torch.cat([*parts, torch.zeros(pad, parts[0].shape[1], dtype=parts[0].dtype)])
+
+    features = {name: cat(name) for name in ("aux_hidden_states", "last_hidden_state")}
+    return {
+        "input_ids": cat("input_ids").squeeze(1).long(),
+        "loss_mask": cat("loss_mask").squeeze(1).bool(),
+        "document_ids": torch.cat([torch.full((n,), d) for d, n in enumerate([*sizes, pad])]),
+        "position_ids": torch.cat([torch.arange(n) for n in [*sizes, pad]]),
+        **{name: x.to(dtype or x.dtype) for name, x in features.items()},
+        "num_real_tokens": torch.tensor(sum(sizes)),
+    }
+
+
+@pytest.mark.parametrize("feature_dtype", [None, "float32"])
+@pytest.mark.parametrize(
+    "loader",
+    [
+        {"num_workers": 0, "loader_threads": 0},
+        {"loader_threads": 1},
+        {"loader_threads": 3},
+        {"num_workers": 2},
+    ],
+    ids=["in-loop", "1-thread", "3-threads", "2-workers"],
+)
+def test_every_loader_yields_the_rows_of_the_plain_concatenation(
+    tmp_path: Path, loader: dict, feature_dtype: str | None
+) -> None:
+    lengths = [*random_lengths(NUM_SEQUENCES, seed=4), BUDGET + 9, BUDGET]  # two fill a row, one is cut
+    write_dataset(tmp_path, lengths, num_shards=3)
+    reader = ShardReader(tmp_path)
+    module = make_module(tmp_path, feature_dtype=feature_dtype, check_finite=True, **loader)
+    dtype = torch.float32 if feature_dtype else None
+    for dataloader in (module.train_dataloader(), module.val_dataloader()):
+        rows = list(dataloader)
+        assert len(rows) == len(dataloader) > 0
+        for indices, row in zip(dataloader.sampler, rows, strict=True):
+            expected = reference_row(reader, indices, dtype)
+            assert list(row) == list(expected)
+            for name, value in expected.items():
+                assert row[name].dtype == value.dtype and torch.equal(row[name], value), name
+
+
 def test_a_forked_dataset_drops_the_maps_of_its_parent(
     shard_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -157,6 +211,8 @@ def test_empty_split_and_bad_settings_are_reported(tmp_path: Path) -> None:
         ShardDataModule(tmp_path, BUDGET, 0.1, 0, 0, feature_dtype="float64")
     with pytest.raises(ConfigError, match="num_workers"):
         ShardDataModule(tmp_path, BUDGET, 0.1, 0, num_workers=-1)
+    with pytest.raises(ConfigError, match="loader_threads"):
+        ShardDataModule(tmp_path, BUDGET, 0.1, 0, 0, loader_threads=-1)
 
 
 def poison_token(shard: Path, token: int) -> None:
@@ -182,6 +238,96 @@ def test_non_finite_features_name_the_shard_and_sample(tmp_path: Path) -> None:
                 pass
 
 
+@pytest.mark.parametrize(
+    ("dtype", "bits", "exponent"),
+    [(torch.bfloat16, torch.int16, 0x7F80), (torch.float16, torch.int16, 0x7C00)],
+)
+def test_all_finite_agrees_with_isfinite_on_every_16_bit_pattern(
+    dtype: torch.dtype, bits: torch.dtype, exponent: int
+) -> None:
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(bits).view(dtype)
+    finite = torch.isfinite(patterns)
+    assert int((~finite).sum()) == 2 * (0x8000 - exponent)  # all exponent bits set: either sign, any mantissa
+    assert all_finite(patterns[finite]) and all_finite(patterns[:0])
+    amid = patterns[finite][:64]
+    for value in patterns[~finite]:  # inf and NaN of either sign, every payload, amid finite values
+        row = amid.clone()
+        row[37] = value
+        assert not all_finite(row), hex(int(value.view(bits)) & 0xFFFF)
+
+
+def test_all_finite_on_float32_edges_and_random_bits() -> None:
+    edges = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 0.0, -0.0, 1e-45])
+    assert all_finite(edges)
+    for bad in (float("inf"), float("-inf"), float("nan"), -float("nan")):
+        assert not all_finite(torch.cat([edges, torch.tensor([bad])]))
+    words = torch.randint(
+        -(2**31), 2**31 - 1, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.int32
+    )
+    for chunk in words.view(torch.float32).split(64):
+        assert all_finite(chunk) == bool(torch.isfinite(chunk).all())
+
+
+class FakeCopier:
+    """Records when batches are sent to the "device" and handed to the training stream."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def start(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], None]:
+        self.log.append(("start", int(batch["input_ids"][0])))
+        return batch, None
+
+    def ready(self, batch: dict[str, torch.Tensor], _: None) -> dict[str, torch.Tensor]:
+        self.log.append(("ready", int(batch["input_ids"][0])))
+        return batch
+
+
+class InstantDataset(torch.utils.data.Dataset):
+    def __getitem__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.tensor(indices)}
+
+
+def test_the_next_batch_is_sent_to_the_device_while_the_current_one_trains() -> None:
+    copier = FakeCopier()
+    sampler = [[i] for i in range(6)]
+    loader = PrefetchLoader(InstantDataset(), sampler, threads=2, copier=copier)
+    seen = []
+    for batch in loader:
+        time.sleep(0.05)  # a training step: the threads finish the next batches meanwhile
+        seen.append(int(batch["input_ids"][0]))
+        copier.log.append(("step", seen[-1]))
+    assert seen == list(range(6))
+    # Batch k reaches the training stream before its step; once the threads are ahead (from the second
+    # step on), batch k is on its way before step k - 1 runs.
+    for k in range(6):
+        assert copier.log.index(("start", k)) < copier.log.index(("ready", k)) < copier.log.index(("step", k))
+    for k in range(2, 6):
+        assert copier.log.index(("start", k)) < copier.log.index(("step", k - 1))
+    assert sorted(copier.log) == sorted([(e, k) for k in range(6) for e in ("start", "ready", "step")])
+
+
+def test_an_abandoned_thread_loader_counts_only_the_batches_handed_out(shard_dir: Path) -> None:
+    module = make_module(shard_dir, loader_threads=3)
+    loader = module.train_dataloader()
+    assert isinstance(loader, PrefetchLoader)
+    iterator = iter(loader)
+    first = [next(iterator) for _ in range(2)]
+    assert loader.in_flight == 4 and module.state_dict()["batches_done"] == 2
+    del iterator  # stops the threads
+    assert module.state_dict() == {"epoch": 0, "batches_done": 2} and len(first) == 2
+
+
+def test_each_sequence_is_checked_once(shard_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = []
+    monkeypatch.setattr("eaglet.train.datamodule.all_finite", lambda x: checks.append(x) or True)
+    loader = make_module(shard_dir, check_finite=True).train_dataloader()
+    first = len(list(loader))
+    assert len(checks) == 2 * first  # the aux and the last hidden states of every batch
+    loader.sampler.set_epoch(1)
+    assert len(list(loader)) == first and len(checks) == 2 * first
+
+
 class RecordingModule(L.LightningModule):
     """Records the first tokens of each training batch."""
 
@@ -199,9 +345,9 @@ class RecordingModule(L.LightningModule):
 
 
 def fit(
-    shard_dir: Path, root: Path, ckpt_path: Path | None = None, **trainer_kwargs: object
+    shard_dir: Path, root: Path, loader: dict, ckpt_path: Path | None = None, **trainer_kwargs: object
 ) -> list[list[int]]:
-    """Two epochs through workers that prefetch; the first tokens of every batch trained on."""
+    """Two epochs through a loader that prefetches; the first tokens of every batch trained on."""
     model = RecordingModule()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -214,20 +360,47 @@ def fit(
         default_root_dir=root,
         **trainer_kwargs,
     )
-    data = ShardDataModule(shard_dir, BUDGET, val_fraction=0.0, seed=3, num_workers=2)
+    data = ShardDataModule(shard_dir, BUDGET, val_fraction=0.0, seed=3, **loader)
     data.setup()  # as the training entry point does, to size the schedule
     trainer.fit(model, data, ckpt_path=ckpt_path)
     return model.seen
 
 
+class ValidatingModule(RecordingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_tokens = 0
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_tokens += int(batch["num_real_tokens"])
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_lightning_resumes_mid_epoch_and_at_epoch_end(shard_dir: Path, tmp_path: Path) -> None:
-    full = fit(shard_dir, tmp_path)
+def test_lightning_trains_and_validates_through_the_thread_loader(shard_dir: Path, tmp_path: Path) -> None:
+    model = ValidatingModule()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+        default_root_dir=tmp_path, num_sanity_val_steps=0,
+    )  # fmt: skip
+    data = make_module(shard_dir, loader_threads=2)
+    trainer.fit(model, data)
+    assert isinstance(data.val_dataloader(), PrefetchLoader)
+    assert len(model.seen) == data.train_batches_per_rank(1)
+    assert model.val_tokens == int(ShardReader(shard_dir).lengths[data._val_idx].sum())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "loader", [{"num_workers": 2}, {"num_workers": 0, "loader_threads": 2}], ids=["workers", "threads"]
+)
+def test_lightning_resumes_mid_epoch_and_at_epoch_end(shard_dir: Path, tmp_path: Path, loader: dict) -> None:
+    full = fit(shard_dir, tmp_path, loader)
     per_epoch = len(full) // 2
     for steps in (3, per_epoch):
         checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=steps, filename=f"{steps}")
-        first = fit(shard_dir, tmp_path, max_steps=steps, callbacks=[checkpoint])
+        first = fit(shard_dir, tmp_path, loader, max_steps=steps, callbacks=[checkpoint])
         saved = torch.load(tmp_path / f"{steps}.ckpt", weights_only=True)["ShardDataModule"]
-        # The batches trained on, not the larger count the prefetching workers drew from the sampler.
+        # The batches trained on, not the larger count the prefetching loader drew from the sampler.
         assert saved == {"epoch": 0, "batches_done": steps}
-        assert first + fit(shard_dir, tmp_path, ckpt_path=tmp_path / f"{steps}.ckpt") == full
+        assert first + fit(shard_dir, tmp_path, loader, ckpt_path=tmp_path / f"{steps}.ckpt") == full

@@ -205,25 +205,32 @@ def test_fuse_accepts_stacked_aux_states(target) -> None:
         head.fuse(torch.randn(4, 2 * H))
 
 
-def test_teacher_in_chunks_equals_full_softmax_restricted(target) -> None:
+@pytest.mark.parametrize("full_vocab_argmax", [True, False])
+def test_teacher_in_chunks_equals_full_softmax_restricted(target, full_vocab_argmax) -> None:
     gen = torch.Generator().manual_seed(4)
     last = 3.0 * torch.randn(11, H, generator=gen, dtype=torch.float64)
     lm_head, norm, d2t = target["lm_head"].double(), target["norm"].double(), target["d2t"]
-    log_probs, argmax = teacher_targets(last, norm, 1e-6, lm_head, d2t, chunk_tokens=3)
-    whole_log_probs, whole_argmax = teacher_targets(last, norm, 1e-6, lm_head, d2t, chunk_tokens=1000)
-    torch.testing.assert_close(log_probs, whole_log_probs, rtol=0, atol=1e-13)
-    assert torch.equal(argmax, whole_argmax)
+    kwargs = dict(full_vocab_argmax=full_vocab_argmax)
+    teacher = teacher_targets(last, norm, 1e-6, lm_head, d2t, chunk_tokens=3, **kwargs)
+    whole = teacher_targets(last, norm, 1e-6, lm_head, d2t, chunk_tokens=1000, **kwargs)
+    rows = torch.arange(11)
+    torch.testing.assert_close(teacher.log_probs(rows), whole.log_probs(rows), rtol=0, atol=1e-13)
+    assert torch.equal(teacher.argmax, whole.argmax)
 
     normed = last / last.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * norm
     full = torch.softmax(normed @ lm_head.T, dim=-1)
-    restricted = full[:, torch.arange(VD) + d2t]
+    draft_ids = torch.arange(VD) + d2t
+    restricted = full[:, draft_ids]
     torch.testing.assert_close(
-        log_probs.exp(), restricted / restricted.sum(-1, keepdim=True), rtol=1e-12, atol=1e-14
+        teacher.log_probs(rows).exp(), restricted / restricted.sum(-1, keepdim=True), rtol=1e-12, atol=1e-14
     )
-    assert torch.equal(argmax, full.argmax(-1))
-    assert not target["t2d"][
-        argmax
-    ].all()  # some argmax lies outside the draft vocab: the full argmax is used
+    inside = target["t2d"][full.argmax(-1)]
+    assert not inside.all() and inside.any()  # some argmax lies outside the draft vocab, some inside
+    if full_vocab_argmax:
+        assert torch.equal(teacher.argmax, full.argmax(-1))
+    else:  # the best draft token: the full argmax wherever that is a draft token
+        assert torch.equal(teacher.argmax, draft_ids[restricted.argmax(-1)])
+        assert torch.equal(teacher.argmax[inside], full.argmax(-1)[inside])
 
 
 def test_invalid_settings_and_batches_raise(target) -> None:
@@ -255,3 +262,36 @@ def test_a_row_without_weight_gives_a_zero_differentiable_loss(target) -> None:
 def test_tau_sim() -> None:
     assert tau_sim(torch.tensor([8, 3, 1]), torch.tensor([10, 6, 2])) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
     assert tau_sim(torch.tensor([5, 0]), torch.tensor([5, 0])) == pytest.approx(2.0)
+
+
+class _ShardedLayer(torch.nn.Module):
+    """FSDP's structure: a wrapper whose forward makes the layer's parameters whole, runs it, and empties them."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.whole = {name: p.data for name, p in layer.named_parameters()}
+        self._reshard()
+
+    def _reshard(self) -> None:
+        for p in self.layer.parameters():
+            p.data = torch.empty(0)
+
+    def forward(self, *args, **kwargs):
+        for name, p in self.layer.named_parameters():
+            p.data = self.whole[name]
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            self._reshard()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_training_uses_the_layer_parameters_only_inside_its_forward(target, attention) -> None:
+    """FSDP gathers a wrapped layer's parameters in its forward only: here they are empty outside it."""
+    head = _head(target)
+    with torch.no_grad():  # flex has no CPU backward; the backward would need FSDP's re-gathering too
+        expected = _forward(head, target, attention=attention, fused_loss=True)
+        head.midlayer = _ShardedLayer(head.midlayer)
+        out = _forward(head, target, attention=attention, fused_loss=True)
+    torch.testing.assert_close(out.loss, expected.loss)

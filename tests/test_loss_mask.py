@@ -81,11 +81,39 @@ KIMI_TEMPLATE = r"""{%- if tools -%}
 {%- endif -%}
 """
 
+# Modelled on Kimi-K2.5's template: K2's layout, every assistant turn opens with a think block (empty for
+# turns without reasoning), and the generation prompt opens one: `<think>` in thinking mode (the default),
+# `<think></think>` in instant mode (`thinking` set false, as chat_template_kwargs={"thinking": false} does).
+KIMI_K25_TEMPLATE = r"""{%- for message in messages -%}
+  {%- if loop.first and messages[0]['role'] != 'system' -%}
+    <|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>
+  {%- endif -%}
+  {%- if message['role'] == 'system' -%}
+    <|im_system|>system<|im_middle|>{{- message['content'] -}}<|im_end|>
+  {%- elif message['role'] == 'user' -%}
+    <|im_user|>user<|im_middle|>{{- message['content'] -}}<|im_end|>
+  {%- else -%}
+    <|im_assistant|>assistant<|im_middle|><think>{{- message.get('reasoning_content') or '' -}}</think>
+    {{- message['content'] -}}<|im_end|>
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  <|im_assistant|>assistant<|im_middle|>
+  {%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}
+{%- endif -%}
+"""
+KIMI_K25_INSTANT_TEMPLATE = "{%- set thinking = false -%}\n" + KIMI_K25_TEMPLATE
+
 # (template override, assistant header, end-of-turn token) per template family.
 FAMILIES = {
     "smollm2": (None, "<|im_start|>assistant\n", "<|im_end|>"),
     "llama3": (LLAMA3_TEMPLATE, "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
     "kimi": (KIMI_TEMPLATE, "<|im_assistant|>assistant<|im_middle|>", "<|im_end|>"),
+    "kimi_k25_instant": (
+        KIMI_K25_INSTANT_TEMPLATE,
+        "<|im_assistant|>assistant<|im_middle|><think></think>",
+        "<|im_end|>",
+    ),
 }
 
 CONVERSATION = Conversation(
@@ -125,6 +153,7 @@ def tokenizers(smollm2):
         "smollm2": smollm2,
         "llama3": with_special_tokens(smollm2, llama3, bos_token="<|begin_of_text|>"),
         "kimi": with_special_tokens(smollm2, kimi),
+        "kimi_k25_instant": with_special_tokens(smollm2, [*kimi, "<think>", "</think>"]),
     }
 
 
@@ -166,6 +195,34 @@ def test_mask_covers_assistant_content_and_end_of_turn_only(tokenizers, family):
     )
     assert tokenized.input_ids.tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert tokenized.input_ids.tolist().count(tokenizer.convert_tokens_to_ids(eot)) >= 2
+
+
+def test_kimi_k25_thinking_mode_masks_what_the_model_generates_after_the_open_think_tag(tokenizers):
+    """In thinking mode the prompt ends with `<think>`; the model then writes its (here empty) reasoning,
+    `</think>`, the reply and `<|im_end|>`: exactly that is masked, and past turns keep their empty block."""
+    tokenizer = tokenizers["kimi_k25_instant"]
+    tokenized = tokenize_conversation(
+        tokenizer, CONVERSATION, max_length=4096, chat_template=KIMI_K25_TEMPLATE
+    )
+    ids = tokenized.input_ids
+    runs = masked_runs(tokenized)
+    replies = [turn.content for turn in CONVERSATION.turns if turn.role == "assistant"]
+    assert [decode(tokenizer, ids[start:end]) for start, end in runs] == [
+        f"</think>{reply}<|im_end|>" for reply in replies
+    ]
+    for start, _ in runs:
+        assert decode(tokenizer, ids[:start]).endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    think_open = tokenizer.convert_tokens_to_ids("<think>")
+    assert all(ids[start - 1] == think_open for start, _ in runs)  # one special token, left unmasked
+    prompt = build_prompt_ids(tokenizer, CONVERSATION.turns[:4], chat_template=KIMI_K25_TEMPLATE)
+    assert prompt == ids[: runs[1][0]].tolist()
+    text = decode(tokenizer, ids)
+    assert text.startswith(
+        "<|im_system|>system<|im_middle|>You answer briefly.<|im_end|><|im_user|>user<|im_middle|>"
+    )
+    assert (
+        text.count("<think></think>") == 2
+    )  # both answered turns, rendered the same before and after later turns
 
 
 def test_chatml_newline_after_end_of_turn_is_not_masked(smollm2):
@@ -233,7 +290,7 @@ def test_build_prompt_ids_ends_with_the_generation_prompt(tokenizers, family):
     assert "And 12 * 7?" in decode(tokenizer, prompt) and "Paris." in decode(tokenizer, prompt)
 
 
-@pytest.mark.parametrize("family", ["smollm2", "kimi"])
+@pytest.mark.parametrize("family", ["smollm2", "kimi", "kimi_k25_instant"])
 def test_prompt_ids_are_the_tokens_before_the_reply(tokenizers, family):
     # Holds where the header ends in a special token or a lone newline; SmolLM2's pre-tokenizer splits
     # Llama-3's "\n\n" differently before a letter than at the end of the text.

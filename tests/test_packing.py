@@ -19,7 +19,13 @@ from eaglet.shards import (
     write_manifest,
     write_shard,
 )
-from eaglet.train.packing import collate_packed, count_truncated, pack_sequences, packing_efficiency
+from eaglet.train.packing import (
+    collate_packed,
+    count_truncated,
+    pack_sequences,
+    packed_buffers,
+    packing_efficiency,
+)
 from eaglet.train.sampler import PackedBatchSampler, balance_bins, split_by_sample_id
 
 N_AUX, H = 3, 8
@@ -307,3 +313,21 @@ def test_collate_converts_features_truncates_and_refuses_overflow(tmp_path: Path
     assert row["document_ids"].unique().tolist() == [0] and int(row["num_real_tokens"]) == BUDGET
     with pytest.raises(ValueError, match="do not fit"):
         collate_packed([reader.sequence(1), reader.sequence(2)], BUDGET)
+
+
+def test_packed_buffers_are_aligned_disjoint_views_of_one_shared_allocation() -> None:
+    row = packed_buffers(10, N_AUX, H, torch.bfloat16, shared=True)
+    assert {name: (tuple(t.shape), t.dtype) for name, t in row.items()} == {
+        "input_ids": ((10,), torch.long),
+        "loss_mask": ((10,), torch.bool),
+        "document_ids": ((10,), torch.long),
+        "position_ids": ((10,), torch.long),
+        "aux_hidden_states": ((10, N_AUX * H), torch.bfloat16),
+        "last_hidden_state": ((10, H), torch.bfloat16),
+        "num_real_tokens": ((), torch.long),
+    }
+    assert len({t.untyped_storage().data_ptr() for t in row.values()}) == 1
+    assert all(t.is_shared() and t.is_contiguous() for t in row.values())
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in row.values())
+    assert all(begin % 64 == 0 for begin, _ in spans)
+    assert all(end <= next_begin for (_, end), (next_begin, _) in pairwise(spans))

@@ -79,8 +79,8 @@ def test_greedy_answers_are_deterministic_and_resume_skips_finished(
     # A killed run leaves a torn last line: it is cut off, the finished records are reused.
     path.write_bytes(path.read_bytes() + b'{"id": "tor')
     calls = []
-    original = target.model.generate
-    monkeypatch.setattr(target.model, "generate", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = target.model.forward
+    monkeypatch.setattr(target.model, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
     again, stats = regenerate_conversations(
         target.model, target.tokenizer, CONVERSATIONS, cfg=SETTINGS, out_path=path, max_length=512
     )
@@ -120,15 +120,26 @@ def test_a_damaged_file_is_reported(target, tmp_path: Path) -> None:
         )
 
 
-def test_batched_decoding_equals_unbatched_greedy_generate(target) -> None:
-    """Left padding, early-finishing rows leaving the batch: same tokens as one-at-a-time `generate`."""
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "2d masks"])
+def test_batched_decoding_equals_unbatched_greedy_generate(target, attention: str, monkeypatch) -> None:
+    """Left padding, early-finishing rows leaving the batch: same tokens as one-at-a-time `generate`.
+
+    Decode steps pass a ready 4D mask for sdpa and eager attention; "2d masks" is the path of models with
+    sliding-window layers, where transformers builds the masks."""
     import torch
 
-    from eaglet.generation import decode_batch
+    from eaglet.generation import continuous, decode_batch
 
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42]]
     stop = 3  # a frequent token of this random model stops some rows early
-    got = decode_batch(target.model, prompts, max_new_tokens=12, stop_ids={stop}, pad_id=0)
+    if attention == "2d masks":
+        monkeypatch.setattr(continuous, "_attention_for_4d_masks", lambda config: None)
+        attention = "sdpa"
+    target.model.set_attn_implementation(attention)
+    try:
+        got = decode_batch(target.model, prompts, max_new_tokens=12, stop_ids={stop}, pad_id=0)
+    finally:
+        target.model.set_attn_implementation("sdpa")
     for prompt, ids in zip(prompts, got, strict=True):
         full = target.model.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
@@ -155,3 +166,160 @@ def test_sampling_is_seeded(target) -> None:
         )
 
     assert sample(0) == sample(0) != sample(1)
+
+
+# ---------------------------------------------------------------- continuous batching over turns
+
+
+class _StopAt:
+    """The tokenizer, but its end-of-turn id is a token the random model emits often: answers stop at varied
+    lengths, so rows finish at different steps and next turns join a running batch."""
+
+    def __init__(self, tokenizer, eos_token_id: int) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+
+TALKS = [
+    conv(f"talk{i}", *[("user", f"{word} number {i}, turn {t}") for t in range(turns)])
+    for i, (word, turns) in enumerate(
+        [
+            ("Hi", 1),
+            ("Write a poem", 4),
+            ("A", 2),
+            ("Count", 3),
+            ("What is the capital of France?", 1),
+            ("B", 2),
+        ]
+    )
+]
+STOP = 3932  # " hous": the random model says it after a prompt-dependent number of tokens, or never
+CONTINUOUS = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=3, refill_every=4)
+
+
+def _turn_by_turn_greedy(model, tokenizer, conversation: Conversation, max_new_tokens: int) -> list[Turn]:
+    """The reference: one conversation at a time, one turn at a time, with `generate`."""
+    import torch
+
+    from eaglet.data.regenerated import user_turn_groups
+    from eaglet.data.templating import build_prompt_ids
+
+    history: list[Turn] = []
+    for group in user_turn_groups(conversation):
+        history = history + group
+        ids = build_prompt_ids(tokenizer, history)
+        full = model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+        )
+        new = full[0, len(ids) :].tolist()
+        new = new[: new.index(STOP)] if STOP in new else new
+        history.append(Turn("assistant", tokenizer.decode(new, skip_special_tokens=True).strip()))
+    return history
+
+
+def test_continuous_batching_equals_turn_by_turn_greedy(target, tmp_path: Path) -> None:
+    tokenizer = _StopAt(target.tokenizer, STOP)
+    out, stats = regenerate_conversations(
+        target.model, tokenizer, TALKS, cfg=CONTINUOUS, out_path=tmp_path / "r.jsonl", max_length=512
+    )
+    want = [_turn_by_turn_greedy(target.model, tokenizer, c, CONTINUOUS.max_new_tokens) for c in TALKS]
+    assert [list(c.turns) for c in out] == want
+    assert stats.generated_turns == 13
+    # The answers stop at different lengths (else rows would never finish apart).
+    lengths = {
+        len(target.tokenizer(t.content)["input_ids"])
+        for turns in want
+        for t in turns
+        if t.role == "assistant"
+    }
+    assert len(lengths) > 2
+
+
+def test_a_killed_run_resumes_to_the_same_answers(target, tmp_path: Path, monkeypatch) -> None:
+    tokenizer = _StopAt(target.tokenizer, STOP)
+    reference, _ = regenerate_conversations(
+        target.model, tokenizer, TALKS, cfg=CONTINUOUS, out_path=tmp_path / "whole.jsonl", max_length=512
+    )
+    path = tmp_path / "r.jsonl"
+    original = target.model.forward
+    calls: list[int] = []
+
+    def dying_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 20:
+            raise KeyboardInterrupt  # as a kill would, mid-batch
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target.model, "forward", dying_forward)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_conversations(
+            target.model, tokenizer, TALKS, cfg=CONTINUOUS, out_path=path, max_length=512
+        )
+    written = len(path.read_text().splitlines())
+    assert 0 < written < len(TALKS)
+    monkeypatch.setattr(target.model, "forward", original)
+    again, stats = regenerate_conversations(
+        target.model, tokenizer, TALKS, cfg=CONTINUOUS, out_path=path, max_length=512
+    )
+    assert stats.resumed == written
+    assert [c.turns for c in again] == [c.turns for c in reference]
+    assert len(path.read_text().splitlines()) == len(TALKS)
+
+
+def test_sampled_answers_do_not_depend_on_batching_or_resume(target, tmp_path: Path) -> None:
+    def run(path: Path, conversations, **overrides) -> list[tuple[Turn, ...]]:
+        cfg = RegenerateConfig(enabled=True, max_new_tokens=8, temperature=1.0, top_p=0.9, **overrides)
+        out, _ = regenerate_conversations(
+            target.model, target.tokenizer, conversations, cfg=cfg, out_path=path, max_length=512
+        )
+        return [c.turns for c in out]
+
+    batched = run(tmp_path / "a.jsonl", TALKS, batch_size=4, refill_every=3)
+    assert run(tmp_path / "b.jsonl", TALKS, batch_size=1) == batched
+    # A run that stopped after some conversations, then resumed over all of them.
+    run(tmp_path / "c.jsonl", TALKS[1:3], batch_size=2)
+    assert run(tmp_path / "c.jsonl", TALKS, batch_size=2) == batched
+    assert run(tmp_path / "d.jsonl", TALKS, batch_size=4, seed=1) != batched
+
+
+def test_sampling_follows_the_nucleus_distribution() -> None:
+    import torch
+
+    from eaglet.generation.sampling import pick_next
+
+    rows = 40_000
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0]).repeat(rows, 1)
+    seeds = torch.arange(rows)
+    steps = torch.zeros(rows, dtype=torch.long)
+    probs = logits[0].softmax(-1)
+    got = torch.bincount(pick_next(logits, temperature=1.0, top_p=1.0, seeds=seeds, steps=steps), minlength=5)
+    assert torch.allclose(got / rows, probs, atol=0.01)
+    # top_p = 0.8 keeps the two most likely tokens (0.61 < 0.8 <= 0.61 + 0.22), renormalised.
+    got = torch.bincount(pick_next(logits, temperature=1.0, top_p=0.8, seeds=seeds, steps=steps), minlength=5)
+    assert got[2:].sum() == 0
+    assert torch.allclose(got[:2] / rows, probs[:2] / probs[:2].sum(), atol=0.01)
+    # The next token index draws independently: two draws differ with probability 1 - sum(p^2).
+    first = pick_next(logits, temperature=1.0, top_p=1.0, seeds=seeds, steps=steps)
+    again = pick_next(logits, temperature=1.0, top_p=1.0, seeds=seeds, steps=steps + 1)
+    assert abs((again != first).float().mean() - (1 - (probs**2).sum())) < 0.02
+
+
+def test_bad_scheduler_settings_are_reported(target, tmp_path: Path) -> None:
+    from eaglet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="refill_every"):
+        regenerate_conversations(
+            target.model,
+            target.tokenizer,
+            CONVERSATIONS,
+            cfg=RegenerateConfig(enabled=True, refill_every=0),
+            out_path=tmp_path / "r.jsonl",
+            max_length=512,
+        )

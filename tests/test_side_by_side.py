@@ -66,7 +66,7 @@ def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_ca
     module = build_module(cfg, manifest, total_steps=2)
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
     ours = module.head.eval()
-    theirs = sbs.build_speculators(module, cfg, manifest).eval()
+    theirs = sbs.build_speculators(module, cfg, manifest, torch.device("cpu")).eval()
     assert theirs.layers[0].self_attn.config._attn_implementation == "eager"
     assert not theirs.lm_head.weight.requires_grad and not ours.lm_head.weight.requires_grad
     row = random_row(manifest.hidden_size, manifest.vocab_size, torch.Generator().manual_seed(1))

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from transformers import (
     CLIPVisionConfig,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
@@ -60,6 +62,42 @@ class BaseModelWrapper(nn.Module):
         return SimpleNamespace(logits=self.lm_head(hidden[:, -logits_to_keep:]))
 
 
+class KimiK25Wrapper(nn.Module):
+    """Kimi-K2.5's structure: a vision tower (with its own block list) and a projector beside a whole
+    DeepSeek-V3 (MLA + MoE) CausalLM at `language_model`, so the decoder layers sit at language_model.model.layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision_tower = nn.Module()
+        self.vision_tower.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.mm_projector = nn.Linear(16, HIDDEN)
+        self.language_model = DeepseekV3ForCausalLM(
+            DeepseekV3Config(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+            )
+        )
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        return self.language_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
 def tiny_llava() -> LlavaForConditionalGeneration:
     """A real transformers multimodal wrapper: layers at model.language_model.layers, beside a vision tower's."""
     vision = CLIPVisionConfig(
@@ -86,6 +124,7 @@ STRUCTURES = {
     ),
     "base_model_wrapper": (BaseModelWrapper, "language_model.layers", "language_model", ""),
     "llava": (tiny_llava, "model.language_model.layers", "model.language_model", ""),
+    "kimi_k25": (KimiK25Wrapper, "language_model.model.layers", "language_model.model", "language_model"),
 }
 
 
@@ -122,6 +161,16 @@ def test_capture_works_on_each_structure(name: str) -> None:
     for slot, layer_id in enumerate([1, 2, 3]):
         torch.testing.assert_close(captured.aux_hidden_states[:, :, slot], reference[layer_id])
     torch.testing.assert_close(parts.lm_head(parts.final_norm(captured.last_hidden_state)), logits)
+
+
+def test_kimi_k2_5_config_points_at_the_wrapper_layers(compose) -> None:
+    model = build("kimi_k25")
+    parts = find_target_parts(model, compose("model=kimi_k2_5").model.layer_path)
+    assert parts.layers is model.language_model.model.layers
+    assert parts.final_norm is model.language_model.model.norm
+    assert parts.lm_head is model.language_model.lm_head
+    with pytest.raises(ConfigError, match="vision_tower.blocks"):  # listed among the ModuleLists it has
+        find_target_parts(model, "model.layers")
 
 
 def test_explicit_layer_path_is_used() -> None:

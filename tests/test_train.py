@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -108,6 +109,8 @@ def test_fit_writes_checkpoints_metrics_report_and_export(compose, shards: Path,
         (["model.aux_layer_ids=[1,2,3]"], DataError, "aux_layer_ids"),
         (["model.hidden_size=32", "model.draft.hidden_size=32"], DataError, "hidden_size"),
         (["hardware=h200_x1"], ConfigError, "hardware=h200_x1 needs 1"),
+        (["trainer.strategy=fsdp"], ConfigError, "fsdp needs GPUs"),
+        (["trainer.strategy=deepspeed"], ConfigError, "strategy='deepspeed' is not one of"),
         (["ckpt_path=last", "paths.output_dir=/nonexistent"], ConfigError, "ckpt_path=last"),
     ],
 )
@@ -197,7 +200,17 @@ def test_two_process_ddp_equals_one_process(shards: Path, tmp_path: Path, model_
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == sorted(
         p.name for p in (runs[1] / "checkpoints").iterdir()
     )
+    # The global-batch loss of every step is the same number on one process and on two.
+    curves = {d: global_loss_curve(run / "metrics.csv") for d, run in runs.items()}
+    assert len(curves[1]) == 4 and curves[1].keys() == curves[2].keys()
+    for step, loss in curves[1].items():
+        assert curves[2][step] == pytest.approx(loss, rel=1e-5), step
     one = torch.load(runs[1] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     ddp = torch.load(two / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     for name, tensor in one.items():
         torch.testing.assert_close(ddp[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def global_loss_curve(metrics_csv: Path) -> dict[int, float]:
+    rows = csv.DictReader(open(metrics_csv))
+    return {int(r["step"]): float(r["train/loss_global"]) for r in rows if r.get("train/loss_global")}

@@ -138,8 +138,13 @@ def test_teacher_argmax_takes_the_first_of_tied_maxima() -> None:
     lm_head[25] = lm_head[7] = torch.ones(h, dtype=torch.float64)  # ids 7 and 25 always tie, and win
     last = torch.ones(3, h, dtype=torch.float64)
     d2t = torch.tensor([0, 0, 0])
-    _, argmax = teacher_targets(last, torch.ones(h, dtype=torch.float64), 1e-6, lm_head, d2t, chunk_tokens=2)
-    assert argmax.tolist() == [7, 7, 7]
+    norm = torch.ones(h, dtype=torch.float64)
+    teacher = teacher_targets(last, norm, 1e-6, lm_head, d2t, chunk_tokens=2)
+    assert teacher.argmax.tolist() == [7, 7, 7]
+    # Draft ids 7 and 25 (d2t 0): the restricted argmax ties the same way.
+    d2t = torch.tensor([0] * 26)
+    teacher = teacher_targets(last, norm, 1e-6, lm_head, d2t, chunk_tokens=2, full_vocab_argmax=False)
+    assert teacher.argmax.tolist() == [7, 7, 7]
 
 
 def test_gpu_attention_path_equals_the_tiled_cpu_path(monkeypatch) -> None:

@@ -75,6 +75,9 @@ class ModelConfig:
     total_params_b: float = 0.0
     active_params_b: float = 0.0
     weight_bits: int = 16
+    # Bits of the weights outside the routed experts when they differ (INT4 MoE releases keep attention and
+    # shared experts in bf16); null = weight_bits.
+    dense_weight_bits: int | None = None
 
     # Residual-stream ids the draft reads: id k = the input of decoder layer k. null = (2, L//2, L-3).
     aux_layer_ids: list[int] | None = None
@@ -91,6 +94,9 @@ class DatasetConfig:
     license: str = "unknown"
     # Keep at most this many conversations (in file order, per file); null = all.
     max_records_per_file: int | None = None
+    # Drop conversations that contain a prompt of an evaluation set (eval.set_defs): for datasets that read
+    # whole files, including the records the evaluation sets are taken from.
+    holdout_eval_sets: bool = False
     description: str = ""
 
 
@@ -111,6 +117,8 @@ class HardwareConfig:
     interconnect: str = "none"
     interconnect_bandwidth_gbs: float = 0.0
     disk_tb: float = 0.0
+    # Sustained write rate of the shard disk (GB/s, with fsync); 0 = unknown (the planner assumes its default).
+    disk_write_gbs: float = 0.0
     cpu_cores: int = 0
     # Lightning settings.
     precision: str = "32-true"
@@ -133,23 +141,45 @@ class RegenerateConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     batch_size: int = 16
+    # In-process: decode steps between checks for finished answers, whose rows then take the next turn.
+    refill_every: int = 16
     seed: int = 0
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
+    # Model name to request; null = the one model the endpoint lists at /v1/models.
+    endpoint_model: str | None = None
     concurrency: int = 16
     max_retries: int = 5
+    # Seconds one request may take (long thinking answers on a loaded server take minutes).
+    request_timeout_s: float = 3600.0
+    # Sent to the server's chat template as chat_template_kwargs {thinking, enable_thinking}.
     thinking: bool = False
 
 
 @dataclass
 class VllmConfig:
-    """vLLM backend settings."""
+    """vLLM backend settings (extract.backend=vllm): an engine eaglet starts, or a server at `url`."""
 
+    # A running vLLM server (http://host:8000); null = start the engine in this process.
     url: str | None = None
+    # null = hardware.devices.
     tensor_parallel_size: int | None = None
-    enable_expert_parallel: bool = False
+    # null = on for mixture-of-experts targets on more than one GPU.
+    enable_expert_parallel: bool | None = None
     gpu_memory_utilization: float = 0.85
+    # null = extract.max_length + 1 (the prompt plus the one token vLLM generates).
     max_model_len: int | None = None
+    # Where vLLM writes one safetensors file per request; the server must see the same path.
+    # null = ${paths.data_dir}/vllm_requests/<model>/<dataset>.
+    storage_dir: str | None = None
+    # Server mode: requests in flight, seconds per request, retries (with backoff) per request.
+    concurrency: int = 16
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    # Compare eaglet's tokenization of each conversation with vLLM's own; mismatches are skipped and counted.
+    check_tokenization: bool = True
+    # Keep vLLM's per-request files after they are converted into shards.
+    keep_request_files: bool = False
 
 
 @dataclass
@@ -194,10 +224,20 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 50
     seed: int = 0
     num_workers: int = 0
+    # With num_workers 0: threads of the training process that build micro-batches ahead (0 = in the loop).
+    loader_threads: int = 2
     lm_head_trainable: bool = True
     mask_outside_draft_vocab: bool = False
     feature_noise_std: float = 0.0
     loss_chunk_tokens: int = 2048
+    # TTT attention: "auto" (flex on CUDA, sdpa on CPU), "flex" (block-sparse flex_attention, CUDA only), "sdpa".
+    attention: str = "auto"
+    # torch.compile the draft layer's pieces (norms, projections, RoPE, MLP): faster on GPUs, slow first steps.
+    compile: bool = False
+    # train/acc_k against the teacher's full-vocab argmax (an extra [T, V] matmul); validation always uses it.
+    full_vocab_train_accuracy: bool = False
+    # dtype of the frozen embedding table ("bfloat16" halves it); null = the parameters' dtype (FSDP needs that).
+    embed_dtype: str | None = None
     devices: int | None = None
     strategy: str | None = None
 
@@ -273,6 +313,95 @@ class PathsConfig:
 
 
 @dataclass
+class PlanServingConfig:
+    """The serving side of the planner: decode batch, context, and the acceptance curve."""
+
+    # Concurrent sequences per decode step, and mean tokens already in each one's KV cache.
+    batch_size: int = 1
+    context_tokens: int = 4096
+    # Devices one served replica spans (tensor parallel); null = every device of a node.
+    tensor_parallel_size: int | None = None
+    # Draft lengths 1..max_draft_length are tabulated.
+    max_draft_length: int = 8
+    # Assumed acceptance: per draft position, the chance it is accepted given all earlier ones were; the
+    # last value repeats for longer drafts.
+    acceptance: list[float] = field(default_factory=lambda: [0.74])
+    # A measured curve instead: eval.json of a run (or any JSON with "acceptance_rates" per position).
+    acceptance_from: str | None = None
+    # Which proposer of an eval.json to read.
+    proposer: str = "eaglet"
+
+
+@dataclass
+class PlanCalibrationConfig:
+    """Efficiency factors and link costs of the planner; conf/plan/default.yaml names the measurement of each."""
+
+    training_efficiency: float = MISSING
+    # The same with trainer.compile=true (the layer's pieces through torch.compile).
+    training_efficiency_compiled: float = MISSING
+    # Share of datasheet memory bandwidth reached by the training loss's element-wise passes.
+    training_bandwidth_efficiency: float = MISSING
+    # Keys a training attention query visits on GPUs: "row" (the whole packed micro-batch) or "document".
+    training_attention: str = MISSING
+    prefill_efficiency: float = MISSING
+    host_store_gbs: float = MISSING
+    disk_write_gbs: float = MISSING
+    decode_bandwidth_efficiency: float = MISSING
+    decode_compute_efficiency: float = MISSING
+    pcie_allreduce_share: float = MISSING
+    pcie_allreduce_model: str = MISSING
+    pcie_allreduce_hardware: str = MISSING
+    pcie_allreduce_batch_size: int = MISSING
+    nvlink_allreduce_us: float = MISSING
+
+
+@dataclass
+class PlanConfig:
+    """plan.py: disk, regeneration, extraction, training and serving estimates for model x data x hardware."""
+
+    # Hardware configs side by side (names under conf/hardware/); empty = the composed `hardware` only.
+    compare: list[str] = field(default_factory=list)
+    # Data you may not have yet: tokens in total, or conversations (tokens per conversation estimated from
+    # the dataset files when readable, else from tokens_per_conversation).
+    tokens: int | None = None
+    conversations: int | None = None
+    tokens_per_conversation: float | None = None
+    # Estimating tokens from text: characters per token, and template tokens added per turn.
+    chars_per_token: float = 4.0
+    template_tokens_per_turn: int = 6
+    # "Finishes in under a day": the deadline of the one-line answer.
+    deadline_hours: float = 24.0
+    # Concurrent sequences while regenerating answers with the target.
+    regenerate_batch_size: int = 256
+    # Share of device memory the target's weights may fill (the rest: KV cache, activations).
+    weight_memory_fraction: float = 0.85
+    # Shard dtypes to size.
+    dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])
+    serving: PlanServingConfig = field(default_factory=PlanServingConfig)
+    calibration: PlanCalibrationConfig = field(default_factory=PlanCalibrationConfig)
+
+
+@dataclass
+class SweepConfig:
+    """One sweep trial (the files under sweeps/ turn it on): train, then measure the head at every draft length."""
+
+    enabled: bool = False
+    # Serving draft lengths 1..max_draft_length are measured, whatever trainer.ttt_steps the head trained with.
+    max_draft_length: int = 8
+    # Where the τ the objective reads comes from: "decode" = speculative decoding against the target on the
+    # eval prompt sets (eval.sets, eval.prompts_per_set, eval.max_new_tokens); "sim" = the simulated τ of
+    # the validation shards (no target needed). The simulated curve is recorded either way.
+    tau_source: str = "decode"
+    # The value a trial returns to the sweeper: "speedup" (predicted, at its best draft length) or "tau"
+    # (at max_draft_length).
+    objective: str = "speedup"
+    # The deployment the speedup is predicted for: names under conf/model and conf/hardware. null = this
+    # run's model; this run's hardware, or h200_x1 when it has no datasheet numbers (hardware=cpu).
+    serve_model: str | None = None
+    serve_hardware: str | None = None
+
+
+@dataclass
 class EagletConfig:
     """The composed config of every entry point."""
 
@@ -285,5 +414,7 @@ class EagletConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 0
     ckpt_path: str | None = None

@@ -1,30 +1,36 @@
 """Replace assistant turns by the target's own answers (the largest single lever on acceptance).
 
 Turn by turn: for a multi-turn conversation, the answer to user turn r is generated from the
-conversation so far, including the target's own earlier answers. Conversations are processed in
-length-sorted batches; each finished batch is appended to a JSONL file in the shared schema and
-fsynced, so a killed run resumes without re-generating what is on disk.
+conversation so far, including the target's own earlier answers. `regenerate_conversations` is the one
+entry: with `extract.regenerate.endpoint` set it asks an OpenAI-compatible server (vLLM, SGLang; see
+eaglet.data.regenerate_endpoint), otherwise it generates in-process with transformers by continuous
+batching over (conversation, user turn) requests: when a row's answer is done, the row takes its
+conversation's next turn or a new conversation (eaglet.generation.continuous). Both append finished
+conversations to the same JSONL (eaglet.data.regenerated) and fsync, so a killed run resumes without
+re-generating what is on disk.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from tqdm.auto import tqdm
 
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
+from eaglet.data.regenerated import append_finished, prompt_hash, read_finished, user_turn_groups
 from eaglet.data.templating import build_prompt_ids
-from eaglet.errors import DataError
-from eaglet.generation import decode_batch
+from eaglet.errors import ConfigError
+from eaglet.generation import DecodeSettings, Request, decode_continuous
+
+__all__ = ["RegenerateStats", "prompt_hash", "regenerate_conversations"]
 
 
 @dataclass
@@ -36,10 +42,12 @@ class RegenerateStats:
     # Conversations cut short because the prompt outgrew the context budget.
     cut_for_length: int = 0
     seconds: float = 0.0
+    # Requests sent again after a connection error, timeout, 429 or 5xx (endpoint path only).
+    retries: int = 0
 
 
 def regenerate_conversations(
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     tokenizer: Any,
     conversations: Sequence[Conversation],
     *,
@@ -48,157 +56,197 @@ def regenerate_conversations(
     max_length: int,
     chat_template: str | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Regenerated copies of `conversations` (same ids and order), resuming from `out_path`."""
+    """Regenerated copies of `conversations` (same ids and order), resuming from `out_path`.
+
+    With `cfg.endpoint` set the server answers (`model` is not used) and the records go to a file next to
+    `out_path` keyed by the served model and the thinking mode, which change every answer.
+    """
+    if cfg.endpoint is not None:
+        # Imported here: the client library is only needed when an endpoint is configured.
+        from eaglet.data.regenerate_endpoint import (
+            endpoint_output_path,
+            regenerate_via_endpoint,
+            served_model,
+        )
+
+        served = served_model(cfg)
+        path = endpoint_output_path(out_path, cfg, served)
+        print(f"regenerating through {cfg.endpoint} (model {served}, thinking {cfg.thinking}) -> {path}")
+        return regenerate_via_endpoint(
+            conversations,
+            cfg=cfg,
+            model=served,
+            out_path=path,
+            max_length=max_length,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+        )
+    if model is None:
+        raise ConfigError(
+            "in-process regeneration needs the target model; set extract.regenerate.endpoint to regenerate "
+            "through a server instead"
+        )
+    if cfg.thinking:
+        raise ConfigError(
+            "extract.regenerate.thinking=true is passed to a server's chat template; in-process regeneration "
+            "renders model.chat_template without template arguments. Set extract.regenerate.endpoint, or "
+            "leave thinking false and pass a template in the mode you want with model.chat_template='...'"
+        )
+    return _regenerate_in_process(
+        model,
+        tokenizer,
+        conversations,
+        cfg=cfg,
+        out_path=out_path,
+        max_length=max_length,
+        chat_template=chat_template,
+    )
+
+
+def _regenerate_in_process(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    conversations: Sequence[Conversation],
+    *,
+    cfg: RegenerateConfig,
+    out_path: Path,
+    max_length: int,
+    chat_template: str | None,
+) -> tuple[list[Conversation], RegenerateStats]:
+    for key in ("batch_size", "refill_every"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"extract.regenerate.{key} must be at least 1, got {getattr(cfg, key)}")
     stats = RegenerateStats(conversations=len(conversations))
-    done = _read_finished(out_path, {c.id: prompt_hash(c) for c in conversations})
+    done = read_finished(out_path, {c.id: prompt_hash(c) for c in conversations})
     stats.resumed = len(done)
     pending = [c for c in conversations if c.id not in done]
-    # Length-sorted batches waste little padding; the order is deterministic.
+    # Similar lengths start together (little padding); the order, and so the schedule, is deterministic.
     pending.sort(key=lambda c: (len(c.turns[0].content), c.id))
-    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    settings = DecodeSettings(
+        max_new_tokens=cfg.max_new_tokens,
+        stop_ids=frozenset({tokenizer.eos_token_id}),
+        pad_id=pad_id,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_rows=cfg.batch_size,
+        refill_every=cfg.refill_every,
+    )
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with (
         open(out_path, "ab") as sink,
         tqdm(total=len(conversations), initial=len(done), desc="regenerate", unit="conv") as bar,
     ):
-        for first in range(0, len(pending), cfg.batch_size):
-            batch = pending[first : first + cfg.batch_size]
-            # Seeded per batch: a resumed run samples the same answers as an uninterrupted one.
-            generator = torch.Generator(device).manual_seed(cfg.seed + first) if cfg.temperature > 0 else None
-            finished = _regenerate_batch(
-                model,
-                tokenizer,
-                batch,
-                cfg=cfg,
-                generator=generator,
-                max_length=max_length,
-                chat_template=chat_template,
-                stats=stats,
-            )
-            for source, conv in zip(batch, finished, strict=True):
-                record = {**conv.to_json(), "prompt_hash": prompt_hash(source)}
-                sink.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-                done[conv.id] = conv
-            sink.flush()
-            os.fsync(sink.fileno())
-            bar.update(len(batch))
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(tok_s=f"{stats.generated_tokens / max(elapsed, 1e-9):.0f}")
+
+        def written(finished: list[Conversation]) -> None:
+            done.update((conv.id, conv) for conv in finished)
+            bar.update(len(finished))
+            bar.set_postfix(tok_s=f"{stats.generated_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+
+        turns = _TurnQueue(
+            pending,
+            tokenizer,
+            cfg=cfg,
+            max_length=max_length,
+            chat_template=chat_template,
+            stats=stats,
+            sink=sink,
+            on_written=written,
+        )
+        decode_continuous(model, turns, settings)
+        turns.flush()
     stats.seconds = time.perf_counter() - start
     return [done[c.id] for c in conversations], stats
 
 
-def _regenerate_batch(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    batch: list[Conversation],
-    *,
-    cfg: RegenerateConfig,
-    generator: torch.Generator | None,
-    max_length: int,
-    chat_template: str | None,
-    stats: RegenerateStats,
-) -> list[Conversation]:
-    """Generate every assistant turn of `batch`, one user turn at a time across the batch."""
-    prompts = [_user_turn_groups(c) for c in batch]
-    history: list[list[Turn]] = [[] for _ in batch]
-    alive = [True] * len(batch)
-    rounds = max(len(p) for p in prompts)
-    for r in range(rounds):
-        active, prompt_ids = [], []
-        for i, groups in enumerate(prompts):
-            if not alive[i] or r >= len(groups):
-                continue
-            turns = history[i] + groups[r]
-            ids = build_prompt_ids(tokenizer, turns, chat_template=chat_template)
-            if len(ids) + cfg.max_new_tokens > max_length:
-                alive[i] = False
-                stats.cut_for_length += 1
-                continue
-            history[i] = turns
-            active.append(i)
-            prompt_ids.append(ids)
-        if not active:
-            break
-        for i, reply in zip(active, _generate(model, tokenizer, prompt_ids, cfg, generator), strict=True):
-            history[i].append(Turn("assistant", reply[0]))
-            stats.generated_turns += 1
-            stats.generated_tokens += reply[1]
-    out = []
-    for conv, turns in zip(batch, history, strict=True):
+@dataclass(eq=False)
+class _Dialogue:
+    """A conversation being regenerated: its prompt groups, and the turns so far with the target's answers."""
+
+    source: Conversation
+    groups: list[list[Turn]]
+    history: list[Turn] = field(default_factory=list)
+    answered: int = 0
+
+
+class _TurnQueue:
+    """The work source of regeneration: one request per (conversation, user turn).
+
+    A conversation's next turn is ready once its previous answer is in; ready turns go before new
+    conversations, so few conversations are open at a time. Finished conversations are appended to the
+    output file at each refill of the batch (one fsync per refill, not per conversation).
+    """
+
+    def __init__(
+        self,
+        pending: list[Conversation],
+        tokenizer: Any,
+        *,
+        cfg: RegenerateConfig,
+        max_length: int,
+        chat_template: str | None,
+        stats: RegenerateStats,
+        sink: BinaryIO,
+        on_written: Callable[[list[Conversation]], None],
+    ) -> None:
+        self.unstarted = iter(pending)
+        self.tokenizer, self.cfg, self.max_length = tokenizer, cfg, max_length
+        self.chat_template, self.stats = chat_template, stats
+        self.sink, self.on_written = sink, on_written
+        self.ready: deque[Request] = deque()
+        self.unwritten: list[tuple[Conversation, Conversation]] = []
+
+    def take(self, limit: int) -> list[Request]:
+        self.flush()
+        taken: list[Request] = []
+        while len(taken) < limit and self.ready:
+            taken.append(self.ready.popleft())
+        while len(taken) < limit and (conv := next(self.unstarted, None)) is not None:
+            request = self._next_turn(_Dialogue(conv, user_turn_groups(conv)))
+            if request is not None:
+                taken.append(request)
+        return taken
+
+    def finish(self, request: Request, tokens: list[int]) -> None:
+        dialogue: _Dialogue = request.tag
+        reply = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        dialogue.history.append(Turn("assistant", reply))
+        self.stats.generated_turns += 1
+        self.stats.generated_tokens += len(tokens)
+        follow_up = self._next_turn(dialogue)
+        if follow_up is not None:
+            self.ready.append(follow_up)
+
+    def flush(self) -> None:
+        """Append the finished conversations to the output file (fsynced)."""
+        if self.unwritten:
+            append_finished(self.sink, self.unwritten)
+            self.on_written([regenerated for _, regenerated in self.unwritten])
+            self.unwritten = []
+
+    def _next_turn(self, dialogue: _Dialogue) -> Request | None:
+        """The request answering the dialogue's next user turn, or None when it is complete."""
+        if dialogue.answered < len(dialogue.groups):
+            turns = dialogue.history + dialogue.groups[dialogue.answered]
+            ids = build_prompt_ids(self.tokenizer, turns, chat_template=self.chat_template)
+            if len(ids) + self.cfg.max_new_tokens <= self.max_length:
+                dialogue.history = turns
+                dialogue.answered += 1
+                seed = _turn_seed(self.cfg.seed, dialogue.source.id, dialogue.answered)
+                return Request(ids, seed=seed, tag=dialogue)
+            self.stats.cut_for_length += 1
         # A conversation whose first prompt alone is too long keeps no turns; it is dropped later
         # (no assistant tokens) and counted there.
-        out.append(Conversation(id=conv.id, turns=tuple(turns), source=conv.source, line=conv.line))
-    return out
+        source = dialogue.source
+        regenerated = Conversation(
+            id=source.id, turns=tuple(dialogue.history), source=source.source, line=source.line
+        )
+        self.unwritten.append((source, regenerated))
+        return None
 
 
-def _user_turn_groups(conv: Conversation) -> list[list[Turn]]:
-    """The non-assistant turns between assistant turns: each group ends with the user turn to answer."""
-    groups: list[list[Turn]] = []
-    current: list[Turn] = []
-    for turn in conv.turns:
-        if turn.role == "assistant":
-            continue
-        current.append(turn)
-        if turn.role == "user":
-            groups.append(current)
-            current = []
-    return groups
-
-
-def _generate(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    prompt_ids: list[list[int]],
-    cfg: RegenerateConfig,
-    generator: torch.Generator | None,
-) -> list[tuple[str, int]]:
-    """(reply text, generated token count) per prompt."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    outputs = decode_batch(
-        model,
-        prompt_ids,
-        max_new_tokens=cfg.max_new_tokens,
-        stop_ids={tokenizer.eos_token_id},
-        pad_id=pad_id,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        generator=generator,
-    )
-    return [(tokenizer.decode(ids, skip_special_tokens=True).strip(), len(ids)) for ids in outputs]
-
-
-def prompt_hash(conv: Conversation) -> str:
-    """Hash of the turns the target answers: an edited prompt file is regenerated, not silently reused."""
-    prompts = [[t.role, t.content] for t in conv.turns if t.role != "assistant"]
-    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
-
-
-def _read_finished(path: Path, wanted: dict[str, str]) -> dict[str, Conversation]:
-    """Conversations already regenerated in `path` whose prompts still match `wanted` (id -> prompt hash).
-
-    A torn last line from a killed run is cut off.
-    """
-    done: dict[str, Conversation] = {}
-    if not path.exists():
-        return done
-    data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        with open(path, "r+b") as fh:
-            fh.truncate(len(complete))
-    for number, raw in enumerate(complete.splitlines(), start=1):
-        try:
-            record = json.loads(raw)
-            conv_id = record["id"]
-            turns = tuple(Turn(t["role"], t["content"]) for t in record["conversations"])
-            recorded_hash = record["prompt_hash"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(
-                f"{path}:{number}: unreadable regenerated conversation ({exc}); delete the file to regenerate "
-                "from scratch"
-            ) from exc
-        if wanted.get(conv_id) == recorded_hash:
-            done[conv_id] = Conversation(id=conv_id, turns=turns, source=str(path), line=number)
-    return done
+def _turn_seed(seed: int, conv_id: str, turn: int) -> int:
+    """The sampling stream of one answer: the same whatever else is regenerated, and in whichever batch."""
+    digest = hashlib.sha256(f"{seed}\0{conv_id}\0{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ from omegaconf import OmegaConf
 
 from eaglet.config.schema import EagletConfig
 from eaglet.data.conversations import load_conversations
+from eaglet.data.holdout import normalise_prompt
 from eaglet.data.templating import build_prompt_ids, resolve_chat_template
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate.draft_loader import load_eagle_draft
@@ -55,14 +55,10 @@ def check_run_target(run: Path, cfg: EagletConfig) -> None:
             )
 
 
-def _normalise(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip().lower()
-
-
 def training_prompts(cfg: EagletConfig) -> set[str]:
     """Normalised user turns of the training dataset, to keep evaluation prompts apart from them."""
     conversations, _ = load_dataset(cfg)
-    return {_normalise(t.content) for c in conversations for t in c.turns if t.role == "user"}
+    return {normalise_prompt(t.content) for c in conversations for t in c.turns if t.role == "user"}
 
 
 def load_prompt_set(
@@ -84,7 +80,7 @@ def load_prompt_set(
     prompts, overlap = [], 0
     for conv in chosen:
         first_user = next(t for t in conv.turns if t.role == "user")
-        if _normalise(first_user.content) in seen:
+        if normalise_prompt(first_user.content) in seen:
             overlap += 1
             continue
         prompts.append(build_prompt_ids(tokenizer, [first_user], chat_template=template))

@@ -12,6 +12,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from eaglet.config.schema import EagletConfig
 from eaglet.data.conversations import Conversation, load_conversations
+from eaglet.data.holdout import drop_held_out, eval_set_prompts
 from eaglet.data.regenerate import RegenerateStats, regenerate_conversations
 from eaglet.data.templating import (
     TokenizedConversation,
@@ -101,41 +103,26 @@ def load_dataset(cfg: EagletConfig) -> tuple[list[Conversation], int]:
             seen[conv.id] = f"{conv.source}:{conv.line}"
         conversations.extend(part)
         no_assistant += stats.skipped_no_assistant
+    if cfg.dataset.holdout_eval_sets:
+        conversations, _ = drop_held_out(conversations, eval_set_prompts(cfg.eval.set_defs))
     if cfg.extract.max_conversations is not None:
         conversations = conversations[: cfg.extract.max_conversations]
     return conversations, no_assistant
 
 
-def run_extraction(cfg: EagletConfig) -> ExtractSummary:
-    """Run the whole stage for a composed config and return what was written."""
+def start_manifest(
+    cfg: EagletConfig, out_dir: Path, identity: dict[str, Any], samples: list, aux_ids: list[int]
+) -> Manifest:
+    """The folder's manifest for these inputs (resumed), or a new one once the disk is known to hold them.
+
+    Both backends store the last layer's output before the final norm (vLLM's id L is that state too).
+    """
     ext = cfg.extract
-    if ext.backend != "transformers":
-        raise ConfigError(
-            f"extract.backend={ext.backend!r} is not available in this version; use extract.backend=transformers"
-        )
-    if ext.dtype not in STORED_DTYPES:
-        raise ConfigError(f"extract.dtype={ext.dtype!r}: choose one of {sorted(STORED_DTYPES)}")
-    aux_ids = resolve_aux_layer_ids(cfg.model)
-    out_dir = shard_dir(cfg)
-    conversations, no_assistant = load_dataset(cfg)
-
-    target = load_target(cfg.model, device=ext.device, cache_dir=Path(cfg.paths.cache_dir))
-    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
-    regen_stats = None
-    if ext.regenerate.enabled:
-        conversations, regen_stats = _regenerate(cfg, target, conversations, template)
-
-    samples, no_masked_token = _tokenize(cfg, target, conversations, template)
-    skipped = no_assistant + no_masked_token
-    identity = _identity(cfg, target, template, aux_ids)
     fingerprint = _fingerprint(identity, samples)
     manifest = _prepare_output(out_dir, fingerprint, overwrite=ext.overwrite)
-
-    lengths = [s.num_tokens for s in samples]
     itemsize = torch.empty((), dtype=STORED_DTYPES[ext.dtype]).element_size()
     per_token = bytes_per_token(len(aux_ids), cfg.model.hidden_size, itemsize)
-    _check_disk(out_dir, sum(lengths) * per_token)
-
+    _check_disk(out_dir, sum(s.num_tokens for s in samples) * per_token)
     if manifest is None:
         manifest = Manifest(
             version=MANIFEST_VERSION,
@@ -151,6 +138,35 @@ def run_extraction(cfg: EagletConfig) -> ExtractSummary:
             settings=identity["settings"],
         )
         write_manifest(out_dir, manifest)
+    return manifest
+
+
+def run_extraction(cfg: EagletConfig) -> ExtractSummary:
+    """Run the whole stage for a composed config and return what was written."""
+    ext = cfg.extract
+    if ext.backend == "vllm":
+        from eaglet.extract.vllm.run import run_vllm_extraction  # imports this module: resolved at call time
+
+        return run_vllm_extraction(cfg)
+    if ext.backend != "transformers":
+        raise ConfigError(f"extract.backend={ext.backend!r}: choose transformers or vllm")
+    if ext.dtype not in STORED_DTYPES:
+        raise ConfigError(f"extract.dtype={ext.dtype!r}: choose one of {sorted(STORED_DTYPES)}")
+    aux_ids = resolve_aux_layer_ids(cfg.model)
+    out_dir = shard_dir(cfg)
+    conversations, no_assistant = load_dataset(cfg)
+
+    target = load_target(cfg.model, device=ext.device, cache_dir=Path(cfg.paths.cache_dir))
+    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
+    regen_stats = None
+    if ext.regenerate.enabled:
+        conversations, regen_stats = _regenerate(cfg, target, conversations, template)
+
+    samples, no_masked_token = _tokenize(cfg, target, conversations, template)
+    skipped = no_assistant + no_masked_token
+    identity = _identity(cfg, target, template, aux_ids)
+    manifest = start_manifest(cfg, out_dir, identity, samples, aux_ids)
+    lengths = [s.num_tokens for s in samples]
     _write_target_head(out_dir, target)
 
     start = time.perf_counter()
@@ -195,10 +211,6 @@ def _regenerate(
     cfg: EagletConfig, target: LoadedTarget, conversations: list[Conversation], template: str
 ) -> tuple[list[Conversation], RegenerateStats]:
     rg = cfg.extract.regenerate
-    if rg.endpoint is not None:
-        raise ConfigError(
-            "extract.regenerate.endpoint is not available in this version; leave it null to regenerate in-process"
-        )
     # Keyed by everything that changes a generated answer; records inside are keyed by conversation id,
     # so a larger dataset reuses what was generated for a smaller one.
     key = _short_hash(

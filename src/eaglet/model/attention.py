@@ -114,3 +114,28 @@ def ttt_attention(
     diagonal_weights = out[..., d:].reshape(t, kv_heads, heads // kv_heads, steps)
     diagonal = torch.einsum("tkgj,jtkd->tkgd", diagonal_weights, diagonal_v).reshape(t, heads, d)
     return out[..., :d] + diagonal
+
+
+class SdpaTTTAttention:
+    """`ttt_attention` for query rows `rows` (sorted positions) of one packed row, with segment ids `segments`.
+
+    The interface of `eaglet.model.ttt_flex.FlexTTTAttention`: built once per row, called once per step.
+    """
+
+    def __init__(self, segments: Tensor, rows: Tensor) -> None:
+        positions = torch.arange(segments.shape[0], device=segments.device)
+        same_document = segments[rows][:, None] == segments[None, :]
+        self.mask = same_document & (positions[None, :] <= rows[:, None])  # [rows, T]
+
+    def __call__(
+        self,
+        q: Tensor,
+        context_kv: tuple[Tensor, Tensor],
+        diagonal_kv: list[tuple[Tensor, Tensor]],
+        scale: float,
+    ) -> Tensor:
+        if not diagonal_kv:
+            return ttt_attention(q, *context_kv, None, None, self.mask, scale)
+        diagonal_k = torch.stack([k for k, _ in diagonal_kv])
+        diagonal_v = torch.stack([v for _, v in diagonal_kv])
+        return ttt_attention(q, *context_kv, diagonal_k, diagonal_v, self.mask, scale)

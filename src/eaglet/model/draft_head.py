@@ -12,7 +12,8 @@ How the layer is unrolled over training-time-test steps is in `eaglet.train.ttt`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +66,21 @@ class Eagle3Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.scale = 1.0 / math.sqrt(d)
         self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotated queries [t, heads, d] of the layer input x [t, 2H]."""
+        return apply_rope(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> KV:
+        """Rotated keys and values [t, kv_heads, d] of the layer input x [t, 2H]."""
+        t = x.shape[0]
+        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        return k, self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
 
     def forward(
         self,
@@ -79,20 +91,16 @@ class Eagle3Attention(nn.Module):
         context_kv: KV | None,
         diagonal_kv: Sequence[KV],
     ) -> tuple[Tensor, KV]:
-        t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        scale = 1.0 / math.sqrt(self.head_dim)
+        """Attention output [t, heads, d] (before o_proj) and this step's (k, v)."""
+        q = self.project_q(x, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
         if context_kv is None:
             if diagonal_kv:
                 raise ValueError("diagonal keys need the step-0 context keys")
-            out = ttt_attention(q, k, v, None, None, mask, scale)
-        else:
-            diagonal_k = torch.stack([*(dk for dk, _ in diagonal_kv), k])
-            diagonal_v = torch.stack([*(dv for _, dv in diagonal_kv), v])
-            out = ttt_attention(q, *context_kv, diagonal_k, diagonal_v, mask, scale)
-        return self.o_proj(out.reshape(t, -1)), (k, v)
+            return ttt_attention(q, k, v, None, None, mask, self.scale), (k, v)
+        diagonal_k = torch.stack([*(dk for dk, _ in diagonal_kv), k])
+        diagonal_v = torch.stack([*(dv for _, dv in diagonal_kv), v])
+        return ttt_attention(q, *context_kv, diagonal_k, diagonal_v, mask, self.scale), (k, v)
 
 
 class Eagle3MLP(nn.Module):
@@ -117,7 +125,32 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = Eagle3MLP(h, cfg.intermediate_size)
 
-    def forward(
+    def attention_input(self, normed_embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """The attention input cat(normed_embeds, hidden_norm(hidden)) [t, 2H] and the residual [t, H].
+
+        normed_embeds is input_layernorm(embeds): training normalises each row's embeddings once for all steps.
+        """
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        return torch.cat([normed_embeds, normed_hidden], dim=-1), residual
+
+    def finish(self, residual: Tensor, attention: Tensor) -> Tensor:
+        """o_proj of the attention output [t, heads, d], the residual, then the MLP block: the layer output [t, H]."""
+        hidden = residual + self.self_attn.o_proj(attention.reshape(attention.shape[0], -1))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, *args: Any, run: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+        """The layer on (embeds, hidden, cos, sin, mask, context_kv, diagonal_kv), see `Eagle3DraftHead.decoder_step`.
+
+        With `run`: returns run(self, *args, **kwargs) instead. Training's TTT steps use the layer's pieces
+        (`attention_input`, `finish`, the projections) through here, so that wrappers acting on forward see
+        every use of the parameters (FSDP gathers them there).
+        """
+        if run is not None:
+            return run(self, *args, **kwargs)
+        return self._decoder_step(*args, **kwargs)
+
+    def _decoder_step(
         self,
         embeds: Tensor,
         hidden: Tensor,
@@ -127,12 +160,9 @@ class Eagle3DecoderLayer(nn.Module):
         context_kv: KV | None,
         diagonal_kv: Sequence[KV],
     ) -> tuple[Tensor, KV]:
-        normed_hidden = self.hidden_norm(hidden)
-        residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        attn, kv = self.self_attn(x, cos, sin, mask, context_kv, diagonal_kv)
-        hidden = residual + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
+        x, residual = self.attention_input(self.input_layernorm(embeds), hidden)
+        attention, kv = self.self_attn(x, cos, sin, mask, context_kv, diagonal_kv)
+        return self.finish(residual, attention), kv
 
 
 def _check_config(cfg: DraftConfig) -> None:
@@ -228,7 +258,10 @@ class Eagle3DraftHead(nn.Module):
                 f"[..., {self.num_aux}*{self.target_hidden_size}]: the features were extracted for another target "
                 "or another number of aux layers"
             )
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        # Under autocast the matmul casts by itself: bf16 features are not widened to float32 on the way.
+        if not torch.is_autocast_enabled(aux_hidden_states.device.type):
+            aux_hidden_states = aux_hidden_states.to(self.fc.weight.dtype)
+        return self.fc(aux_hidden_states)
 
     def decoder_step(
         self,

@@ -13,12 +13,34 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from eaglet.errors import ConfigError, DataError
 from eaglet.shards import STORED_DTYPES, Manifest, ShardReader
 from eaglet.train.packing import collate_packed, count_truncated, pack_sequences, packing_efficiency
+from eaglet.train.prefetch import DeviceCopier, PrefetchLoader
 from eaglet.train.sampler import PackedBatchSampler, split_by_sample_id
+
+# A float is inf or NaN when all its exponent bits are set: its bits without the sign are >= the exponent mask.
+# Read as signed integers, such positive values are >= the mask; read as unsigned, such negative ones are
+# >= sign | mask. Two integer maxima in numpy: one pass each, on one core, no temporary, no GIL.
+_NON_FINITE = {  # dtype: (integer dtype of its width, exponent mask, sign bit)
+    torch.bfloat16: (torch.int16, 0x7F80, 0x8000),
+    torch.float16: (torch.int16, 0x7C00, 0x8000),
+    torch.float32: (torch.int32, 0x7F800000, 0x80000000),
+}
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether a float tensor holds no inf or NaN; fast for contiguous CPU tensors of the stored dtypes."""
+    if x.dtype not in _NON_FINITE or not x.is_contiguous() or x.device.type != "cpu":
+        return bool(torch.isfinite(x).all())
+    if x.numel() == 0:
+        return True
+    integer, mask, sign = _NON_FINITE[x.dtype]
+    bits = x.view(integer).numpy().reshape(-1)
+    unsigned = bits.view(f"uint{8 * bits.itemsize}")
+    return int(bits.max()) < mask and int(unsigned.max()) < sign | mask
 
 
 def _resolve_dtype(feature_dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -30,7 +52,13 @@ def _resolve_dtype(feature_dtype: torch.dtype | str | None) -> torch.dtype | Non
 
 
 class PackedShardDataset(Dataset):
-    """Map-style dataset whose item for a list of sequence indices is one packed micro-batch."""
+    """Map-style dataset whose item for a list of sequence indices is one packed micro-batch.
+
+    The batch is one allocation (see packed_buffers): in shared memory inside a DataLoader worker, so that it
+    reaches the main process without a copy, else pinned when `pin_memory`, so that it goes to the GPU as is.
+    With `check_finite`, a batch is checked for inf and NaN while it holds a sequence this process has not
+    found finite yet: shards do not change, so later epochs skip the check.
+    """
 
     def __init__(
         self,
@@ -39,14 +67,17 @@ class PackedShardDataset(Dataset):
         feature_dtype: torch.dtype | None = None,
         *,
         check_finite: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         self.reader = reader
         self.tokens_per_batch = tokens_per_batch
         self.feature_dtype = feature_dtype
         self.check_finite = check_finite
+        self.pin_memory = pin_memory
         self._pid = os.getpid()
         shard_sizes = [shard.num_sequences for shard in reader.manifest.shards]
         self._shard_ends = np.cumsum(shard_sizes, dtype=np.int64)
+        self._finite = np.zeros(len(reader), dtype=bool)  # sequences found finite in this process
 
     def _local_reader(self) -> ShardReader:
         if self._pid != os.getpid():
@@ -57,18 +88,24 @@ class PackedShardDataset(Dataset):
 
     def __getitem__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         reader = self._local_reader()
+        in_worker = get_worker_info() is not None
         batch = collate_packed(
-            [reader.sequence(i) for i in indices], self.tokens_per_batch, self.feature_dtype
+            [reader.sequence(i) for i in indices],
+            self.tokens_per_batch,
+            self.feature_dtype,
+            pin_memory=self.pin_memory and not in_worker,
+            shared=in_worker,
         )
-        if self.check_finite:
+        if self.check_finite and not self._finite[indices].all():
             self._check_finite(batch, indices)
+            self._finite[indices] = True
         return batch
 
     def _check_finite(self, batch: dict[str, torch.Tensor], indices: Sequence[int]) -> None:
         for name in ("aux_hidden_states", "last_hidden_state"):
-            bad_rows = torch.nonzero(~torch.isfinite(batch[name]).all(dim=1))
-            if len(bad_rows) == 0:
+            if all_finite(batch[name]):
                 continue
+            bad_rows = torch.nonzero(~torch.isfinite(batch[name]).all(dim=1))
             i = int(indices[int(batch["document_ids"][bad_rows[0, 0]])])
             shard = self.reader.manifest.shards[int(np.searchsorted(self._shard_ends, i, side="right"))]
             raise DataError(
@@ -85,6 +122,11 @@ class ShardDataModule(LightningDataModule):
     Each rank reads its own bins (see PackedBatchSampler), so the Trainer must not add a distributed
     sampler: build it with `use_distributed_sampler=False`. The train sampler's position is saved in
     checkpoints through `state_dict()`, so a run resumed in the middle of an epoch continues where it stopped.
+
+    Batches are built by `num_workers` DataLoader worker processes when it is positive, else by
+    `loader_threads` background threads of this process (PrefetchLoader), else in the training loop itself.
+    On a CUDA machine they arrive pinned, ready for a non-blocking copy to the GPU; the threads' loader hands
+    them out on the GPU already (the Trainer's device, else `batch_device`), copied while the previous step ran.
     """
 
     def __init__(
@@ -97,12 +139,15 @@ class ShardDataModule(LightningDataModule):
         feature_dtype: torch.dtype | str | None = None,
         *,
         check_finite: bool = False,
+        loader_threads: int = 2,
     ) -> None:
         super().__init__()
         if tokens_per_batch < 1:
             raise ConfigError(f"tokens_per_batch must be a positive number of tokens, got {tokens_per_batch}")
         if num_workers < 0:
             raise ConfigError(f"trainer.num_workers must be >= 0, got {num_workers}")
+        if loader_threads < 0:
+            raise ConfigError(f"trainer.loader_threads must be >= 0, got {loader_threads}")
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"trainer.val_fraction must be in [0, 1), got {val_fraction}")
         self.shard_dir = Path(shard_dir)
@@ -110,13 +155,17 @@ class ShardDataModule(LightningDataModule):
         self.val_fraction = val_fraction
         self.seed = seed
         self.num_workers = num_workers
+        self.loader_threads = loader_threads
         self.feature_dtype = _resolve_dtype(feature_dtype)
         self.check_finite = check_finite
         self._dataset: PackedShardDataset | None = None
         self._train_idx = self._val_idx = np.zeros(0, dtype=np.int64)
         self._train_bins: list[list[int]] = []  # epoch 0 on a single rank: for the statistics
         self._train_sampler: PackedBatchSampler | None = None  # created with the train loader
+        self._train_loader: DataLoader | PrefetchLoader | None = None  # the latest one
         self._resume_state: dict[str, int] | None = None  # loaded before the train sampler exists
+        # Where the threads' loader hands batches out when no Trainer is attached; None: host memory.
+        self.batch_device: torch.device | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Open the shards (once) and split them; no memory map is opened here."""
@@ -125,7 +174,11 @@ class ShardDataModule(LightningDataModule):
         reader = ShardReader(self.shard_dir)
         self._train_idx, self._val_idx = split_by_sample_id(reader.sample_ids, self.val_fraction, self.seed)
         self._dataset = PackedShardDataset(
-            reader, self.tokens_per_batch, self.feature_dtype, check_finite=self.check_finite
+            reader,
+            self.tokens_per_batch,
+            self.feature_dtype,
+            check_finite=self.check_finite,
+            pin_memory=torch.cuda.is_available(),
         )
         self._train_bins = pack_sequences(
             reader.lengths, self._train_idx, self.tokens_per_batch, self.seed, 0
@@ -215,9 +268,17 @@ class ShardDataModule(LightningDataModule):
             self._train_sampler = sampler
         return sampler
 
-    def _loader(self, sampler: PackedBatchSampler) -> DataLoader:
+    def _copier(self) -> DeviceCopier | None:
+        strategy = getattr(self.trainer, "strategy", None)
+        device = strategy.root_device if strategy is not None else self.batch_device
+        return DeviceCopier(device) if device is not None and torch.device(device).type == "cuda" else None
+
+    def _loader(self, sampler: PackedBatchSampler) -> DataLoader | PrefetchLoader:
+        if self.num_workers == 0 and self.loader_threads > 0:
+            return PrefetchLoader(self._require_setup(), sampler, self.loader_threads, self._copier())
         # batch_size=None: the sampler's item is a whole micro-batch's index list, which the dataset
-        # turns into one packed row; there is nothing left to collate.
+        # turns into one packed row; there is nothing left to collate. Rows built here are pinned already
+        # (pin_memory returns them as they are); rows from workers are copied into pinned memory.
         return DataLoader(
             self._require_setup(),
             sampler=sampler,
@@ -227,10 +288,11 @@ class ShardDataModule(LightningDataModule):
             pin_memory=torch.cuda.is_available(),
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train())
+    def train_dataloader(self) -> DataLoader | PrefetchLoader:
+        self._train_loader = self._loader(self._train())
+        return self._train_loader
 
-    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+    def val_dataloader(self) -> DataLoader | PrefetchLoader | list[DataLoader]:
         """The validation loader; an empty list (no validation) when trainer.val_fraction is 0."""
         self._require_setup()
         if len(self._val_idx) == 0:
@@ -246,6 +308,8 @@ class ShardDataModule(LightningDataModule):
             # DataLoader workers (and Lightning's fetcher) draw batches ahead of the training step, so the
             # sampler's count runs ahead; the fit loop's count is what the restored loop resumes after.
             state["batches_done"] = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        elif isinstance(self._train_loader, PrefetchLoader):
+            state["batches_done"] -= self._train_loader.in_flight  # drawn, not handed out yet
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

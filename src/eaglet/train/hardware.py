@@ -8,6 +8,7 @@ import torch
 
 from eaglet.config.schema import HardwareConfig, TrainerConfig
 from eaglet.errors import ConfigError
+from eaglet.train.strategy import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,20 @@ def plan_trainer(hw: HardwareConfig, tr: TrainerConfig) -> TrainerPlan:
         raise ConfigError(f"trainer.devices must be >= 1, got {devices}")
     if strategy == "auto" and devices * hw.num_nodes > 1:
         strategy = "ddp"
+    if strategy not in STRATEGIES:
+        raise ConfigError(
+            f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)} (set by trainer.strategy or hardware.strategy)"
+        )
+    if strategy == "fsdp" and tr.embed_dtype is not None:
+        raise ConfigError(
+            f"trainer.embed_dtype={tr.embed_dtype} cannot be combined with trainer.strategy=fsdp (FSDP flattens "
+            "each unit into one dtype); leave trainer.embed_dtype=null"
+        )
+    if strategy == "fsdp" and hw.accelerator != "gpu":
+        raise ConfigError(
+            f"trainer.strategy=fsdp needs GPUs (Lightning's FSDP has no CPU backend); hardware={hw.name} is "
+            f"accelerator={hw.accelerator}: use trainer.strategy=ddp there"
+        )
     world = devices * hw.num_nodes
     per_step = hw.tokens_per_device * world
     if tr.global_batch_tokens % per_step:

@@ -1,22 +1,46 @@
-"""The KD teacher: the target's next-token distribution over the draft vocab, and its full-vocab argmax.
+"""The KD teacher over the draft vocab, and the draft's soft cross-entropy against it.
 
 Softmax over the draft-vocab columns of the target logits equals the full-vocab distribution restricted to
-the draft vocab and renormalised, so the teacher never needs the other columns' probabilities. The full
-argmax (for metrics and `mask_outside_draft_vocab`) does need every column: logits are built one chunk of
-tokens at a time, so no [T, V] tensor exists (V = 163,840 for Kimi). The draft columns are gathered from
-the same chunk of logits, which costs no second matmul.
+the draft vocab and renormalised, so the teacher needs only those columns: `teacher_targets` multiplies by
+the V_d draft rows of the target's lm_head (not all V rows: 5x less work at Kimi's V = 163,840). The
+full-vocab argmax (for `mask_outside_draft_vocab`, and exact accuracies) needs every column: on request the
+logits are built one chunk of tokens at a time, so no [T, V] tensor exists, and the draft columns are
+gathered from the same chunk. The teacher keeps its logits in the lm_head's dtype (what the target computes)
+with their log-sum-exp: half the memory of float32 log-probabilities, the same values.
 
 The loss is soft cross-entropy -sum_v p_teacher(v) log q_draft(v). It differs from the forward
 KL(p_teacher || q_draft) by the teacher's entropy, a constant of the data, so both have the same gradients.
+`linear_soft_cross_entropy` fuses the draft's lm_head with it, chunk by chunk: the [N, V_d] logits live one
+chunk at a time and their gradient is folded into the hidden states' gradient during the forward, so only
+[N, H] is kept for the backward (plus the logit gradient in the compute dtype when lm_head trains).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from eaglet.errors import ConfigError
 from eaglet.model.draft_head import rms_norm
+
+
+@dataclass
+class Teacher:
+    """The teacher at N positions: logits over the draft vocab, their log-sum-exp, the argmax (a target id)."""
+
+    logits: Tensor  # [N, V_d], lm_head's dtype
+    logsumexp: Tensor  # [N], float32 or wider
+    argmax: Tensor  # [N] int64 target ids: over the full vocab, or over the draft vocab (see teacher_targets)
+
+    def to(self, device: torch.device) -> Teacher:
+        return Teacher(self.logits.to(device), self.logsumexp.to(device), self.argmax.to(device))
+
+    def log_probs(self, rows: Tensor) -> Tensor:
+        """log p_teacher [len(rows), V_d] at teacher rows `rows`, float32 or wider."""
+        return self.logits[rows].to(self.logsumexp.dtype) - self.logsumexp[rows, None]
 
 
 @torch.no_grad()
@@ -28,34 +52,99 @@ def teacher_targets(
     d2t: Tensor,
     *,
     chunk_tokens: int,
-) -> tuple[Tensor, Tensor]:
-    """Teacher log-probs over the draft vocab [N, V_d] and the full-vocab argmax [N] (target ids).
+    full_vocab_argmax: bool = True,
+) -> Teacher:
+    """The teacher of last_hidden_state [N, H_t], the target's last layer output before its final norm.
 
-    last_hidden_state [N, H_t] is the target's last layer output before its final norm; the target's final
-    RMSNorm (norm_weight, eps) is applied here, once. Logits are computed in lm_head's dtype (as the target
-    serves them), their softmax in float32 or wider.
+    The target's final RMSNorm (norm_weight, eps) is applied here, once. Logits are computed in lm_head's
+    dtype (as the target serves them), their log-sum-exp in float32 or wider. `argmax` is over the full vocab
+    with `full_vocab_argmax` (costs the [chunk, V] matmul), else over the draft vocab (the best draft token,
+    mapped to its target id; equal to the full argmax wherever that lies in the draft vocab).
     """
     if chunk_tokens < 1:
         raise ConfigError(f"trainer.loss_chunk_tokens must be >= 1, got {chunk_tokens}")
     device, lm_dtype = lm_head_weight.device, lm_head_weight.dtype
-    out_dtype = torch.promote_types(lm_dtype, torch.float32)
+    acc = torch.promote_types(lm_dtype, torch.float32)
     draft_ids = torch.arange(d2t.numel(), device=device) + d2t.to(device)
-    log_probs, argmax = [], []
-    for chunk in last_hidden_state.split(chunk_tokens):
-        normed = rms_norm(chunk.to(device), norm_weight.to(device), eps)
-        logits = normed.to(lm_dtype) @ lm_head_weight.T  # [chunk, V]
-        # max(...).indices is argmax (first maximum too) at half its cost on CPU; index_select beats [:, ids].
-        argmax.append(logits.max(dim=-1).indices)
-        draft_logits = logits.index_select(1, draft_ids)
-        log_probs.append(torch.log_softmax(draft_logits.to(out_dtype), dim=-1))
-    if not log_probs:
-        return torch.empty(0, d2t.numel(), dtype=out_dtype, device=device), torch.empty(
-            0, dtype=torch.int64, device=device
-        )
-    return torch.cat(log_probs), torch.cat(argmax)
+    draft_rows = None if full_vocab_argmax else lm_head_weight.index_select(0, draft_ids)
+    n = last_hidden_state.shape[0]
+    logits = torch.empty(n, d2t.numel(), dtype=lm_dtype, device=device)
+    logsumexp = torch.empty(n, dtype=acc, device=device)
+    argmax = torch.empty(n, dtype=torch.int64, device=device)
+    for start in range(0, n, chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        normed = rms_norm(last_hidden_state[rows].to(device), norm_weight.to(device), eps).to(lm_dtype)
+        if draft_rows is None:
+            full = normed @ lm_head_weight.T  # [chunk, V]
+            # max(...).indices is argmax (first maximum too) at half its cost on CPU; index_select beats [:, ids].
+            argmax[rows] = full.max(dim=-1).indices
+            logits[rows] = full.index_select(1, draft_ids)
+        else:
+            logits[rows] = normed @ draft_rows.T
+            argmax[rows] = draft_ids[logits[rows].max(dim=-1).indices]
+        logsumexp[rows] = torch.logsumexp(logits[rows].to(acc), dim=-1)
+    return Teacher(logits, logsumexp, argmax)
 
 
 def soft_cross_entropy(teacher_log_probs: Tensor, draft_logits: Tensor) -> Tensor:
     """Per-row -sum p_teacher * log_softmax(draft_logits) [N], computed in float32 or wider."""
     log_q = torch.log_softmax(draft_logits.to(torch.promote_types(draft_logits.dtype, torch.float32)), dim=-1)
     return -(teacher_log_probs.exp() * log_q).sum(dim=-1)
+
+
+class _LinearSoftCrossEntropy(torch.autograd.Function):
+    """sum_i CE(teacher row rows[i], hidden[i] @ weight.T) and the draft argmax per row; see the module doc."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, teacher: Teacher, rows: Tensor, chunk: int
+    ) -> tuple[Tensor, Tensor]:
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        n = hidden.shape[0]
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        argmax = torch.empty(n, dtype=torch.int64, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        keep_logit_grads = ctx.needs_input_grad[1]
+        logit_grads = []
+        for start in range(0, n, chunk):
+            h, r = hidden[start : start + chunk], rows[start : start + chunk]
+            grad = (h @ weight.T).to(acc)  # logits, then log q, then q, then d CE / d logits: one buffer
+            argmax[start : start + chunk] = grad.max(dim=-1).indices
+            grad -= torch.logsumexp(grad, dim=-1, keepdim=True)
+            p = teacher.log_probs(r).exp_()
+            total -= torch.linalg.vecdot(p, grad).sum()
+            # d/dz of -sum_v p_v log softmax(z)_v = softmax(z) * sum_v p_v - p (sum_v p_v = 1 up to rounding).
+            grad = grad.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).to(hidden.dtype)
+            grad_hidden[start : start + chunk] = grad @ weight
+            if keep_logit_grads:
+                logit_grads.append(grad)
+        ctx.mark_non_differentiable(argmax)
+        if keep_logit_grads:
+            ctx.save_for_backward(grad_hidden, torch.cat(logit_grads), hidden)
+        else:
+            ctx.save_for_backward(grad_hidden)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:
+        grad_hidden, *logit_grads = ctx.saved_tensors
+        scale = grad_total.to(grad_hidden.dtype)
+        grad_weight = None
+        if logit_grads:
+            grad_logits, hidden = logit_grads
+            grad_weight = (grad_logits.T @ hidden) * scale
+        return grad_hidden * scale, grad_weight, None, None, None
+
+
+def linear_soft_cross_entropy(
+    hidden: Tensor, weight: Tensor, teacher: Teacher, rows: Tensor, *, chunk_tokens: int
+) -> tuple[Tensor, Tensor]:
+    """(sum over i of the soft CE of logits hidden[i] @ weight.T against teacher row rows[i], argmax [N]).
+
+    hidden [N, H] and weight [V_d, H] must share a dtype (the compute dtype: cast them first under autocast);
+    the logits' softmax runs in float32 or wider. Equals soft_cross_entropy(teacher.log_probs(rows),
+    hidden @ weight.T).sum() in value and gradients, without holding [N, V_d] logits.
+    """
+    if chunk_tokens < 1:
+        raise ConfigError(f"trainer.loss_chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _LinearSoftCrossEntropy.apply(hidden, weight, teacher, rows, chunk_tokens)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from eaglet.config.schema import DraftConfig
+from eaglet.errors import ConfigError
 from eaglet.model.draft_head import Eagle3DraftHead
 from eaglet.train.ttt import TTTOutput, tau_sim, ttt_forward
 
@@ -40,7 +41,16 @@ class DraftHeadModule(L.LightningModule):
         mask_outside_draft_vocab: bool,
         feature_noise_std: float,
         loss_chunk_tokens: int,
+        attention: str = "auto",
+        compile: bool = False,
+        full_vocab_train_accuracy: bool = False,
+        embed_dtype: str | None = None,
     ) -> None:
+        """attention, compile: see `ttt_forward`. full_vocab_train_accuracy: train/acc_k against the teacher's
+        full-vocab argmax (costs the [T, V] teacher matmul; validation always uses it), else against its best
+        draft-vocab token. embed_dtype: store the frozen embedding table in this dtype ("bfloat16" halves it;
+        the target's embeddings come in bf16 anyway); None keeps the parameters' dtype (FSDP needs one dtype).
+        """
         super().__init__()
         self.save_hyperparameters()
         self.head = Eagle3DraftHead(
@@ -54,6 +64,7 @@ class DraftHeadModule(L.LightningModule):
         self.register_buffer("target_lm_head", torch.zeros(vocab_size, target_hidden_size), persistent=False)
         self._val_sums: dict[str, Tensor] = {}
         self._step_start = 0.0
+        self._window_losses: list[Tensor] = []
 
     def init_from_target(
         self, head_weights: dict[str, Tensor], d2t: Tensor, t2d: Tensor, *, load_head: bool = True
@@ -70,6 +81,13 @@ class DraftHeadModule(L.LightningModule):
                 t2d,
                 lm_head_trainable=self.hparams.lm_head_trainable,
             )
+            if self.hparams.embed_dtype is not None:
+                dtype = getattr(torch, self.hparams.embed_dtype, None)
+                if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                    raise ConfigError(
+                        f"embed_dtype={self.hparams.embed_dtype!r} is not a torch float dtype name"
+                    )
+                self.head.embed_tokens.weight.data = self.head.embed_tokens.weight.data.to(dtype)
 
     def _run(self, batch: dict[str, Tensor], *, noise: bool) -> TTTOutput:
         hp = self.hparams
@@ -86,6 +104,9 @@ class DraftHeadModule(L.LightningModule):
             step_loss_decay=hp.step_loss_decay,
             mask_outside_draft_vocab=hp.mask_outside_draft_vocab,
             chunk_tokens=hp.loss_chunk_tokens,
+            full_vocab_argmax=hp.full_vocab_train_accuracy or not self.training,
+            attention=hp.attention,
+            compile=hp.compile,
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -100,7 +121,22 @@ class DraftHeadModule(L.LightningModule):
                 metrics[f"train/acc_{k}"] = out.step_correct[k].float() / out.step_counts[k]
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False)
         self.log("train/real_tokens", float(batch["num_real_tokens"]), on_step=True, reduce_fx="sum")
+        self._log_global_batch_loss(out.loss.detach(), batch_idx)
         return out.loss
+
+    def _log_global_batch_loss(self, loss: Tensor, batch_idx: int) -> None:
+        """train/loss_global: the mean loss over every micro-batch of one optimizer step, on all ranks.
+
+        train/loss is one micro-batch on one rank; this one is the same number whatever the device count and
+        accumulation, so loss curves of different hardware configs compare directly.
+        """
+        self._window_losses.append(loss)
+        accumulate = self.trainer.accumulate_grad_batches
+        if (batch_idx + 1) % accumulate and batch_idx + 1 != self.trainer.num_training_batches:
+            return
+        mean = torch.stack(self._window_losses).mean()
+        self._window_losses = []
+        self.log("train/loss_global", mean, on_step=True, sync_dist=True)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._step_start
@@ -141,6 +177,19 @@ class DraftHeadModule(L.LightningModule):
         # Lightning's warning; the mean of equal values changes nothing).
         self.log_dict({k: float(v) for k, v in metrics.items()}, prog_bar=False, sync_dist=True)
         self.log("val/tau_sim", tau_sim(sums["correct"], sums["count"]), prog_bar=True, sync_dist=True)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        # FSDP holds shards: only the wrapped model can compute the global norm (Lightning's default refuses).
+        wrapped = self.trainer.strategy.model
+        if gradient_clip_val and hasattr(wrapped, "clip_grad_norm_"):
+            wrapped.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

@@ -7,6 +7,7 @@ padding; static shapes let the draft head compile once. Attention stays inside a
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
 
@@ -89,10 +90,81 @@ def packing_efficiency(lengths: np.ndarray, bins: Sequence[Sequence[int]], token
     return real / (len(bins) * tokens_per_batch)
 
 
+# Byte alignment of each tensor inside a packed row's single allocation (a cache line; int64 needs 8).
+_ALIGN = 64
+# Integer views of the stored float dtypes: rows are copied as raw bits.
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _allocate(nbytes: int, *, pin_memory: bool, shared: bool) -> torch.Tensor:
+    if shared:
+        # The storage DataLoader's own collate allocates in workers: created shared, nothing to move later.
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+
+
+def packed_buffers(
+    tokens_per_batch: int,
+    n_aux: int,
+    hidden: int,
+    feature_dtype: torch.dtype,
+    *,
+    pin_memory: bool = False,
+    shared: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Uninitialised outputs of one packed row (see `collate_packed`), all views of one allocation.
+
+    One allocation is pinned, or placed in shared memory, in one go: a worker process hands a shared row to
+    the main process without copying it, and torch's caching host allocator reuses a freed pinned row whole.
+    """
+    t = tokens_per_batch
+    layout = {
+        "input_ids": ((t,), torch.long),
+        "loss_mask": ((t,), torch.bool),
+        "document_ids": ((t,), torch.long),
+        "position_ids": ((t,), torch.long),
+        "aux_hidden_states": ((t, n_aux * hidden), feature_dtype),
+        "last_hidden_state": ((t, hidden), feature_dtype),
+        "num_real_tokens": ((), torch.long),
+    }
+    begins, size = [], 0
+    for shape, dtype in layout.values():
+        begins.append(size)
+        size += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    flat = _allocate(size, pin_memory=pin_memory, shared=shared)
+    return {
+        name: flat[begin : begin + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for (name, (shape, dtype)), begin in zip(layout.items(), begins, strict=True)
+    }
+
+
+def _bits(x: torch.Tensor) -> np.ndarray:
+    return x.view(_BITS[x.dtype]).numpy()
+
+
+# Features are copied and zeroed as raw bits by numpy: on one core and without the GIL, so that loader threads
+# neither hold up the training thread nor start a team of intra-op threads each.
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.dtype == src.dtype and dst.dtype in _BITS:
+        np.copyto(_bits(dst), _bits(src))
+    else:
+        dst.copy_(src)  # converts dtype while copying: each mapped byte is read once, nothing is staged
+
+
+def _zero_rows(x: torch.Tensor) -> None:
+    if x.dtype in _BITS:
+        _bits(x).fill(0)
+    else:
+        x.zero_()
+
+
 def collate_packed(
     sequences: Sequence[Mapping[str, torch.Tensor]],
     tokens_per_batch: int,
     feature_dtype: torch.dtype | None = None,
+    *,
+    pin_memory: bool = False,
+    shared: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Concatenate `sequences` (as returned by `ShardReader.sequence`) into one row of `tokens_per_batch` tokens.
 
@@ -100,7 +172,8 @@ def collate_packed(
     padding is one more document after the last), position_ids long [T] (restarting at 0 per document),
     aux_hidden_states [T, n_aux*H] (the n_aux states side by side, in manifest order), last_hidden_state
     [T, H], num_real_tokens long []. Features are read from the memory maps once, straight into the output
-    (converted to `feature_dtype`, default the stored dtype); padding is zero everywhere.
+    (converted to `feature_dtype`, default the stored dtype); padding is zero everywhere. The output is one
+    allocation (see `packed_buffers`), pinned or in shared memory on request.
     """
     _check_budget(tokens_per_batch)
     if not sequences:
@@ -111,30 +184,24 @@ def collate_packed(
     t = tokens_per_batch
     _, n_aux, hidden = sequences[0]["aux_hidden_states"].shape
     dtype = feature_dtype or sequences[0]["aux_hidden_states"].dtype
-    out = {
-        "input_ids": torch.empty(t, dtype=torch.long),
-        "loss_mask": torch.empty(t, dtype=torch.bool),
-        "document_ids": torch.empty(t, dtype=torch.long),
-        "position_ids": torch.empty(t, dtype=torch.long),
-        "aux_hidden_states": torch.empty(t, n_aux * hidden, dtype=dtype),
-        "last_hidden_state": torch.empty(t, hidden, dtype=dtype),
-    }
+    out = packed_buffers(t, n_aux, hidden, dtype, pin_memory=pin_memory, shared=shared)
     aux = out["aux_hidden_states"].view(t, n_aux, hidden)
     ramp = torch.arange(t)
     begin = 0
     for doc, (seq, size) in enumerate(zip(sequences, sizes, strict=True)):
         end = begin + size
-        # copy_ converts dtype while copying, so each mapped byte is read once and nothing is staged.
         out["input_ids"][begin:end].copy_(seq["input_ids"][:size])
         out["loss_mask"][begin:end].copy_(seq["loss_mask"][:size])
-        aux[begin:end].copy_(seq["aux_hidden_states"][:size])
-        out["last_hidden_state"][begin:end].copy_(seq["last_hidden_state"][:size])
+        _copy_rows(aux[begin:end], seq["aux_hidden_states"][:size])
+        _copy_rows(out["last_hidden_state"][begin:end], seq["last_hidden_state"][:size])
         out["document_ids"][begin:end] = doc
         out["position_ids"][begin:end] = ramp[:size]
         begin = end
-    for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
-        out[name][begin:] = 0
+    out["input_ids"][begin:] = 0
+    out["loss_mask"][begin:] = False
+    _zero_rows(out["aux_hidden_states"][begin:])
+    _zero_rows(out["last_hidden_state"][begin:])
     out["document_ids"][begin:] = len(sequences)
     out["position_ids"][begin:] = ramp[: t - begin]
-    out["num_real_tokens"] = torch.tensor(begin, dtype=torch.long)
+    out["num_real_tokens"].fill_(begin)
     return out

@@ -22,6 +22,7 @@ from eaglet.target.capture import resolve_aux_layer_ids
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
+from eaglet.train.strategy import build_strategy
 from eaglet.train.tracking import finish_wandb, make_loggers
 
 REPORT_FILE = "report.json"
@@ -87,6 +88,10 @@ def build_module(cfg: EagletConfig, manifest: Manifest, total_steps: int) -> Dra
         mask_outside_draft_vocab=tr.mask_outside_draft_vocab,
         feature_noise_std=tr.feature_noise_std,
         loss_chunk_tokens=tr.loss_chunk_tokens,
+        attention=tr.attention,
+        compile=tr.compile,
+        full_vocab_train_accuracy=tr.full_vocab_train_accuracy,
+        embed_dtype=tr.embed_dtype,
     )
 
 
@@ -104,8 +109,12 @@ def resolve_ckpt_path(value: str | None, output_dir: Path) -> str | None:
     return value
 
 
-def run_training(cfg: EagletConfig, run_dir: Path) -> TrainSummary | None:
-    """Train, select by val/tau_sim, export; the summary on rank 0 (None on other ranks)."""
+def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = True) -> TrainSummary | None:
+    """Train, select by val/tau_sim, export; the summary on rank 0 (None on other ranks).
+
+    finish_tracking=False leaves a successful run's W&B run open for the caller (a sweep trial logs its
+    measurements there, then closes it); a failed run is closed as failed either way.
+    """
     start = time.perf_counter()
     tr = cfg.trainer
     if tr.ttt_steps < 1:
@@ -129,6 +138,7 @@ def run_training(cfg: EagletConfig, run_dir: Path) -> TrainSummary | None:
         seed=tr.seed,
         num_workers=tr.num_workers,
         check_finite=True,
+        loader_threads=tr.loader_threads,
     )
     datamodule.setup()
     micro_batches = datamodule.train_batches_per_rank(plan.world_size)
@@ -162,7 +172,7 @@ def run_training(cfg: EagletConfig, run_dir: Path) -> TrainSummary | None:
             devices=plan.devices,
             num_nodes=plan.num_nodes,
             precision=plan.precision,
-            strategy=plan.strategy,
+            strategy=build_strategy(plan.strategy, plan.world_size),
             max_epochs=tr.max_epochs if tr.max_steps <= 0 else -1,
             max_steps=total_steps,
             accumulate_grad_batches=plan.accumulate_grad_batches,
@@ -179,22 +189,28 @@ def run_training(cfg: EagletConfig, run_dir: Path) -> TrainSummary | None:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         last = run_dir / "checkpoints" / "last.ckpt"
         trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the periodic interval
-        # Final numbers are those of the selected (best val/tau_sim) checkpoint.
+        # Final numbers are those of the selected (best val/tau_sim) checkpoint, loaded by the strategy
+        # (under FSDP the module in hand holds shards, not whole tensors).
         best = checkpoint.best_model_path or str(last)
-        module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
         metrics = (
-            trainer.validate(module, datamodule=datamodule, verbose=False, weights_only=True)[0]
+            trainer.validate(module, datamodule=datamodule, ckpt_path=best, verbose=False, weights_only=True)[
+                0
+            ]
             if tr.val_fraction > 0
             else {}
         )
         failed = False
     finally:
-        finish_wandb(failed)
+        if failed or finish_tracking:
+            finish_wandb(failed)
 
     if trainer.global_rank != 0:
         return None
+    # Exported from a plain copy of the selected checkpoint, whatever strategy trained it.
+    selected = build_module(cfg, manifest, total_steps)
+    selected.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
     export_dir = export_eagle(
-        module.head,
+        selected.head,
         DraftConfig(**OmegaConf.to_container(cfg.model.draft, resolve=True)),
         run_dir / "draft",
         aux_layer_ids=manifest.aux_layer_ids,

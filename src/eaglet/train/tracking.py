@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -56,7 +57,6 @@ def make_loggers(cfg: EagletConfig, run_dir: Path, job_type: str) -> list[Logger
 
 def finish_wandb(failed: bool) -> None:
     """Close the W&B run of this job, marking a crash as such (exit code 1)."""
-    import wandb
-
-    if wandb.run is not None:
+    wandb = sys.modules.get("wandb")  # never imported when tracking is disabled
+    if wandb is not None and wandb.run is not None:
         wandb.finish(exit_code=1 if failed else 0)

@@ -15,26 +15,42 @@ f_t = fc(aux_t) and the target's next-token distribution P_p = softmax(lm_head(f
   -sum_v P(v) log q(v) over the draft vocab (KL minus the teacher entropy, a constant); a step with no
   weight adds 0.
 - acc_k: among positions t with w_k(t) > 0 whose steps 0..k-1 all carried weight and were correct at t
-  (draft argmax, mapped to a target id by d2t, equals argmax P over the full vocab), the fraction correct at
-  step k. A step without weight breaks the chain: in serving, every drafted token lies in the generated
+  (draft argmax, mapped to a target id by d2t, equals argmax P over the full vocab; with full_vocab_argmax
+  off, the best draft-vocab token of P), the fraction correct at step k. A step without weight breaks the chain: in serving, every drafted token lies in the generated
   (loss-masked) text. tau_sim = 1 + sum_k prod_{i<=k} acc_i.
 
-Work is skipped where it cannot matter: the teacher runs once per row, only at positions some step reads,
-and lm_head / the loss run only at positions of non-zero weight.
+Work is skipped where it cannot matter, with the same values and gradients:
+- the teacher runs once per row, only at positions some step reads, over the draft-vocab columns (the full
+  vocab only for `full_vocab_argmax` or `mask_outside_draft_vocab`);
+- a position whose every step has weight 0 (a prompt token, say) needs only its step-0 key and value (the
+  context of later positions): its query, attention output, o_proj, MLP and later steps are skipped. A
+  position runs all steps once any step carries weight there: its step-k output feeds step k+1. ("rows")
+- lm_head and the loss run only at positions of non-zero weight, chunked (`fused_loss`): no [T, V_d] logits.
+
+Attention (`attention`): "flex" (block-sparse flex_attention, `eaglet.model.ttt_flex`; CUDA), "sdpa" (masked
+SDPA with selector keys, `eaglet.model.attention`; CPU), "auto" picks by device and head size
+(`select_attention`). `compile` runs the layer's pieces (norms + projections + RoPE, o_proj + MLP) through
+torch.compile: fused element-wise work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.func import functional_call
 
 from eaglet.errors import ConfigError, DataError
-from eaglet.model.attention import document_causal_mask
-from eaglet.model.draft_head import Eagle3DraftHead
-from eaglet.train.kd_loss import soft_cross_entropy, teacher_targets
+from eaglet.model.attention import SdpaTTTAttention
+from eaglet.model.draft_head import Eagle3DecoderLayer, Eagle3DraftHead, rope_cos_sin
+from eaglet.model.ttt_flex import FlexTTTAttention, flex_unsupported
+from eaglet.train.kd_loss import linear_soft_cross_entropy, soft_cross_entropy, teacher_targets
 
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 BATCH_KEYS = (
     "input_ids",
     "loss_mask",
@@ -54,6 +70,18 @@ class TTTOutput:
     step_weight_sums: Tensor  # [K] positions carrying weight: average losses weighted by these
     step_correct: Tensor  # [K] conditional-accuracy numerators
     step_counts: Tensor  # [K] conditional-accuracy denominators
+
+
+def select_attention(attention: str, device: torch.device, head_dim: int) -> str:
+    """The TTT attention backend: "auto" is flex on CUDA where its kernels take the head size, else sdpa."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ConfigError(f"trainer.attention={attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    unsupported = flex_unsupported(head_dim, device)
+    if attention == "auto":
+        return "flex" if device.type == "cuda" and unsupported is None else "sdpa"
+    if attention == "flex" and unsupported is not None:
+        raise ConfigError(f"trainer.attention=flex: {unsupported}; use trainer.attention=auto or sdpa")
+    return attention
 
 
 def tau_sim(step_correct: Tensor, step_counts: Tensor) -> float:
@@ -93,6 +121,128 @@ def _same_document(segments: Tensor, offset: int) -> Tensor:
     return _shift(segments, offset, -1) == segments
 
 
+def _context_projections(
+    layer: Eagle3DecoderLayer, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Step 0 at every position: the row's normalised embeddings (kept for the later steps), the layer input,
+    residual, keys and values; all in cos's dtype (the compute dtype) but the residual."""
+    normed_embeds = layer.input_layernorm(embeds).to(cos.dtype)
+    x, residual = layer.attention_input(_shift(normed_embeds, 1, 0.0), hidden)
+    x = x.to(cos.dtype)
+    return (normed_embeds, x, residual, *layer.self_attn.project_kv(x, cos, sin))
+
+
+def _step_projections(
+    layer: Eagle3DecoderLayer, normed_embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Step k > 0 at the rows: queries, keys, values and the residual."""
+    x, residual = layer.attention_input(normed_embeds, hidden)
+    x = x.to(cos.dtype)
+    return (layer.self_attn.project_q(x, cos, sin), *layer.self_attn.project_kv(x, cos, sin), residual)
+
+
+def _query_projection(layer: Eagle3DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return layer.self_attn.project_q(x, cos, sin)
+
+
+def _finish(layer: Eagle3DecoderLayer, residual: Tensor, attention: Tensor) -> Tensor:
+    return layer.finish(residual, attention)
+
+
+def _with_weights(body: Callable[..., Any]) -> Callable[..., Any]:
+    """body(layer, *args) with the layer's parameters replaced by `weights` (cast once per row).
+
+    Under autocast, eager linears share one cached bf16 copy of each weight; compiled graphs cast inside the
+    graph and would keep a copy per call (per step) for the backward. Casting once, outside, keeps one.
+    """
+
+    def piece(layer: Eagle3DecoderLayer, weights: dict[str, Tensor], *args: Tensor) -> Any:
+        return functional_call(layer, weights, args, {"run": body})
+
+    return piece
+
+
+@dataclass(frozen=True)
+class _LayerPieces:
+    context: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
+    step: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
+    query: Callable[..., Tensor]
+    finish: Callable[..., Tensor]
+
+
+_BODIES = (_context_projections, _step_projections, _query_projection, _finish)
+_EAGER = _LayerPieces(*(_with_weights(body) for body in _BODIES))
+
+
+@cache
+def _compiled() -> _LayerPieces:
+    # Each piece keeps its shapes across the steps of a row (step 0's at every position, the others at the
+    # rows), so one graph each; the row count varies per batch: automatic dynamic shapes after one recompile.
+    return _LayerPieces(*(torch.compile(_with_weights(body)) for body in _BODIES))
+
+
+def _compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return default
+
+
+KV = tuple[Tensor, Tensor]
+
+
+def _row_weights(
+    layer: Eagle3DecoderLayer, dtype: torch.dtype, cache: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """The layer's matrices in the compute dtype (norm weights stay as they are, as under autocast), cast on the
+    row's first step, inside the layer's forward (under FSDP the parameters are whole there only); the gradients
+    flow back through the casts."""
+    if not cache:
+        cache.update({name: p.to(dtype) if p.dim() > 1 else p for name, p in layer.named_parameters()})
+    return cache
+
+
+def _first_step(
+    layer: Eagle3DecoderLayer,
+    embeds: Tensor,
+    hidden: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    rows: Tensor,
+    attend: Callable[..., Tensor],
+    *,
+    pieces: _LayerPieces,
+    weights: dict[str, Tensor],
+) -> tuple[Tensor, Tensor, KV]:
+    """Step 0 (run inside the layer's forward): outputs at the rows, normalised embeddings, context keys/values."""
+    w = _row_weights(layer, cos.dtype, weights)
+    normed_embeds, x, residual, k, v = pieces.context(layer, w, embeds, hidden, cos, sin)
+    q = pieces.query(layer, w, x[rows], cos[rows], sin[rows])
+    out = pieces.finish(layer, w, residual[rows], attend(q, (k, v), [], layer.self_attn.scale))
+    return out, normed_embeds, (k, v)
+
+
+def _next_step(
+    layer: Eagle3DecoderLayer,
+    normed_embeds: Tensor,
+    hidden: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    attend: Callable[..., Tensor],
+    context_kv: KV,
+    diagonal_kv: list[KV],
+    *,
+    pieces: _LayerPieces,
+    weights: dict[str, Tensor],
+) -> tuple[Tensor, KV]:
+    """Step k > 0 (run inside the layer's forward) at the rows: outputs and this step's keys/values."""
+    w = _row_weights(layer, cos.dtype, weights)
+    q, k, v, residual = pieces.step(layer, w, normed_embeds, hidden, cos, sin)
+    out = pieces.finish(
+        layer, w, residual, attend(q, context_kv, [*diagonal_kv, (k, v)], layer.self_attn.scale)
+    )
+    return out, (k, v)
+
+
 def ttt_forward(
     head: Eagle3DraftHead,
     batch: dict[str, Tensor],
@@ -104,14 +254,24 @@ def ttt_forward(
     step_loss_decay: float,
     mask_outside_draft_vocab: bool = False,
     chunk_tokens: int = 2048,
+    full_vocab_argmax: bool = True,
+    attention: str = "auto",
+    fused_loss: bool | None = None,
+    compile: bool = False,
 ) -> TTTOutput:
-    """Unroll `ttt_steps` steps of `head` over one packed row (keys in BATCH_KEYS, each [T, ...])."""
+    """Unroll `ttt_steps` steps of `head` over one packed row (keys in BATCH_KEYS, each [T, ...]).
+
+    full_vocab_argmax: accuracies against the teacher's argmax over the full vocab (else over the draft
+    vocab; forced on by mask_outside_draft_vocab). fused_loss: lm_head + loss chunked in one autograd
+    function (None: on CUDA); otherwise through `head.logits`.
+    """
     if ttt_steps < 1:
         raise ConfigError(f"trainer.ttt_steps must be >= 1, got {ttt_steps}")
     if step_loss_decay <= 0:
         raise ConfigError(f"trainer.step_loss_decay must be > 0, got {step_loss_decay}")
-    t = _check_batch(batch)
     device = head.fc.weight.device
+    backend = select_attention(attention, device, head.head_dim)
+    t = _check_batch(batch)
     input_ids = batch["input_ids"].to(device, torch.int64)
     loss_mask = batch["loss_mask"].to(device, torch.bool)
     document_ids = batch["document_ids"].to(device)
@@ -121,49 +281,81 @@ def ttt_forward(
 
     # The teacher at p serves every step predicting x_{p+1}: needed iff x_{p+1} is a weighted token of p's document.
     teacher_pos = (_shift(loss_mask, 1, False) & _same_document(segments, 1)).nonzero().squeeze(1)
-    teacher_log_probs, teacher_argmax = teacher_targets(
+    teacher = teacher_targets(
         batch["last_hidden_state"][teacher_pos.to(batch["last_hidden_state"].device)],
         target_norm_weight,
         target_norm_eps,
         target_lm_head,
         head.d2t,
         chunk_tokens=chunk_tokens,
-    )
-    teacher_log_probs, teacher_argmax = teacher_log_probs.to(device), teacher_argmax.to(device)
+        full_vocab_argmax=full_vocab_argmax or mask_outside_draft_vocab,
+    ).to(device)
     teacher_row = torch.full((t,), -1, dtype=torch.int64, device=device)
     teacher_row[teacher_pos] = torch.arange(teacher_pos.numel(), device=device)
     teacher_ok = teacher_row >= 0
     if mask_outside_draft_vocab:
-        teacher_ok[teacher_pos] = head.t2d[teacher_argmax]
+        teacher_ok[teacher_pos] = head.t2d[teacher.argmax]
 
-    mask = document_causal_mask(segments)
-    embeds = head.embed_tokens(input_ids)
+    # Step k at t reads the teacher at t+1+k, inside t's document: its weight.
+    weights = torch.stack(
+        [_shift(teacher_ok, k + 1, False) & _same_document(segments, k + 1) for k in range(ttt_steps)]
+    )
+    rows = weights.any(0).nonzero().squeeze(1)
+    if rows.numel() == 0:  # nothing to learn here: one row keeps the graph, for a zero differentiable loss
+        rows = torch.zeros(1, dtype=torch.int64, device=device)
+    slot = torch.full((t,), -1, dtype=torch.int64, device=device)
+    slot[rows] = torch.arange(rows.numel(), device=device)
+
+    attend = FlexTTTAttention(segments, rows) if backend == "flex" else SdpaTTTAttention(segments, rows)
+    pieces = _compiled() if compile else _EAGER
+    fused = device.type == "cuda" if fused_loss is None else fused_loss
+    dtype = _compute_dtype(device, head.fc.weight.dtype)
+    lm_weight = head.lm_head.weight.to(dtype) if fused else None
     position_ids = batch["position_ids"].to(device, torch.int64)
+
+    def rope(positions: Tensor) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(positions, head.head_dim, head.rope_theta, dtype)
+
+    embeds = head.embed_tokens(input_ids)
     hidden = head.fuse(batch["aux_hidden_states"].to(device))
-    context_kv, diagonal_kv = None, []
     chain_ok = torch.ones(t, dtype=torch.bool, device=device)
+    context_kv, diagonal_kv, layer_weights = None, [], {}
     step_losses, weight_sums, correct_sums, counts = [], [], [], []
     for k in range(ttt_steps):
-        hidden, kv = head.decoder_step(
-            _shift(embeds, k + 1, 0.0), hidden, position_ids + k, mask, context_kv, diagonal_kv
-        )
         if context_kv is None:
-            context_kv = kv
+            hidden, normed_embeds, context_kv = head.midlayer(
+                embeds, hidden, *rope(position_ids), rows, attend, pieces=pieces, weights=layer_weights,
+                run=_first_step,
+            )  # fmt: skip
         else:
+            # Rows whose inputs run past the row's end carry no weight at this step or later: any token does.
+            inputs = normed_embeds[(rows + k + 1).clamp(max=t - 1)]
+            hidden, kv = head.midlayer(
+                inputs, hidden, *rope(position_ids[rows] + k), attend, context_kv, diagonal_kv,
+                pieces=pieces, weights=layer_weights, run=_next_step,
+            )  # fmt: skip
             diagonal_kv.append(kv)
 
-        # Step k at t reads the teacher at t+1+k, inside t's document.
-        weighted = (_shift(teacher_ok, k + 1, False) & _same_document(segments, k + 1)).nonzero().squeeze(1)
-        rows = teacher_row[weighted + k + 1]
-        logits = head.logits(hidden[weighted])
-        step_loss = soft_cross_entropy(teacher_log_probs[rows], logits).sum() / max(weighted.numel(), 1)
+        weighted = weights[k].nonzero().squeeze(1)
+        teacher_rows = teacher_row[weighted + k + 1]
+        if fused:
+            normed = head.norm(hidden[slot[weighted]]).to(dtype)
+            ce, argmax = linear_soft_cross_entropy(
+                normed, lm_weight, teacher, teacher_rows, chunk_tokens=chunk_tokens
+            )
+        else:
+            logits = head.logits(hidden[slot[weighted]])
+            ce, argmax = (
+                soft_cross_entropy(teacher.log_probs(teacher_rows), logits).sum(),
+                logits.argmax(dim=-1),
+            )
+        step_losses.append(ce / max(weighted.numel(), 1))
 
         with torch.no_grad():
-            correct = head.draft_target_ids[logits.argmax(dim=-1)] == teacher_argmax[rows]
+            correct = head.draft_target_ids[argmax] == teacher.argmax[teacher_rows]
             counted = chain_ok[weighted]
             chain_ok = torch.zeros_like(chain_ok)
             chain_ok[weighted] = counted & correct
-        step_losses.append(step_loss)
         weight_sums.append(weighted.numel())
         correct_sums.append((counted & correct).sum())
         counts.append(counted.sum())

@@ -1,0 +1,76 @@
+"""The regenerated-conversations JSONL that both regeneration paths (in-process, endpoint) write.
+
+One record per finished conversation, in the shared schema plus a `prompt_hash` of the turns the target
+answered; records are appended and fsynced, so a killed run loses at most the conversations in flight,
+and a restart reuses every record whose prompts still match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+from eaglet.data.conversations import Conversation, Turn
+from eaglet.errors import DataError
+
+
+def prompt_hash(conv: Conversation) -> str:
+    """Hash of the turns the target answers: an edited prompt file is regenerated, not silently reused."""
+    prompts = [[t.role, t.content] for t in conv.turns if t.role != "assistant"]
+    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def user_turn_groups(conv: Conversation) -> list[list[Turn]]:
+    """The non-assistant turns between assistant turns: each group ends with the user turn to answer."""
+    groups: list[list[Turn]] = []
+    current: list[Turn] = []
+    for turn in conv.turns:
+        if turn.role == "assistant":
+            continue
+        current.append(turn)
+        if turn.role == "user":
+            groups.append(current)
+            current = []
+    return groups
+
+
+def append_finished(sink: BinaryIO, finished: Iterable[tuple[Conversation, Conversation]]) -> None:
+    """Append (source, regenerated) pairs as records and fsync: once this returns they survive a kill."""
+    for source, regenerated in finished:
+        record = {**regenerated.to_json(), "prompt_hash": prompt_hash(source)}
+        sink.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+    sink.flush()
+    os.fsync(sink.fileno())
+
+
+def read_finished(path: Path, wanted: dict[str, str]) -> dict[str, Conversation]:
+    """Conversations already regenerated in `path` whose prompts still match `wanted` (id -> prompt hash).
+
+    A torn last line from a killed run is cut off.
+    """
+    done: dict[str, Conversation] = {}
+    if not path.exists():
+        return done
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(len(complete))
+    for number, raw in enumerate(complete.splitlines(), start=1):
+        try:
+            record = json.loads(raw)
+            conv_id = record["id"]
+            turns = tuple(Turn(t["role"], t["content"]) for t in record["conversations"])
+            recorded_hash = record["prompt_hash"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DataError(
+                f"{path}:{number}: unreadable regenerated conversation ({exc}); delete the file to regenerate "
+                "from scratch"
+            ) from exc
+        if wanted.get(conv_id) == recorded_hash:
+            done[conv_id] = Conversation(id=conv_id, turns=turns, source=str(path), line=number)
+    return done

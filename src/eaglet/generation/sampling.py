@@ -1,0 +1,59 @@
+"""Next-token choice: greedy, or nucleus sampling whose randomness belongs to the row, not to the batch.
+
+Sampling draws its noise from a counter-based hash of (row seed, token index, vocabulary id) and picks by the
+Gumbel-max trick, so a row samples the same tokens whichever rows share its batch, in whatever order rows
+join: a resumed or re-batched run samples what an uninterrupted one does. A shared `torch.Generator` would
+tie every sample to the batch composition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) on int64 values in [0, 2**32).
+
+    The multipliers are below 2**31, so no product overflows int64.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [rows, vocab], a pure function of each row's (seed, step) and the vocabulary id."""
+    row = _mix32(_mix32(seeds & _MASK32) ^ (steps & _MASK32))
+    ids = torch.arange(vocab, device=seeds.device)
+    bits = _mix32(_mix32(row[:, None] ^ ids))
+    # 24 random bits give a uniform in (0, 1) that float32 holds exactly.
+    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(uniform))
+
+
+def pick_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """Token ids [rows]: argmax when temperature is 0, else a sample of the top-p nucleus at `temperature`.
+
+    `seeds` and `steps` (int64 [rows]) name each row's random stream and the index of the token being drawn.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_p < 1.0:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        outside = probs.cumsum(dim=-1) - probs > top_p
+        scores = scores.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
+    return (scores + gumbel_noise(seeds, steps, scores.shape[-1])).argmax(dim=-1)

@@ -1,0 +1,1 @@
+"""Planning: disk, extraction, training and serving-speedup estimates for a model on a machine."""

@@ -1,0 +1,105 @@
+"""One plan per hardware: disk, regeneration, extraction, training and serving for the composed run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglet.config.schema import EagletConfig, HardwareConfig
+from eaglet.plan.acceptance import AcceptanceCurve
+from eaglet.plan.data_size import DataSize
+from eaglet.plan.disk import DiskEstimate, estimate_disk
+from eaglet.plan.extraction import (
+    ExtractionEstimate,
+    Placement,
+    RegenerationEstimate,
+    estimate_extraction,
+    estimate_regeneration,
+    place_target,
+)
+from eaglet.plan.serving import ServingPoint, serving_group, serving_point
+from eaglet.plan.training import HeadShape, TrainingEstimate, calibrated_efficiency, estimate_training
+
+
+@dataclass(frozen=True)
+class HardwarePlan:
+    hardware: HardwareConfig
+    placement: Placement
+    disk: list[DiskEstimate]
+    regeneration: RegenerationEstimate | None  # None: regeneration off, or the target does not fit
+    extraction: ExtractionEstimate | None  # None: the target does not fit
+    extraction_seconds: float
+    training: TrainingEstimate
+    serving: list[ServingPoint]  # empty: the target does not fit one serving group
+    problems: list[str]
+
+    @property
+    def devices(self) -> int:
+        return self.hardware.devices * self.hardware.num_nodes
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+    @property
+    def seconds(self) -> float:
+        regeneration = self.regeneration.seconds if self.regeneration else 0.0
+        return regeneration + self.extraction_seconds + self.training.seconds
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.seconds / 3600 * self.devices
+
+
+def plan_hardware(
+    cfg: EagletConfig, hardware: HardwareConfig, data: DataSize, curve: AcceptanceCurve
+) -> HardwarePlan:
+    model, plan = cfg.model, cfg.plan
+    placement = place_target(model, hardware, plan)
+    problems = []
+    regeneration = extraction = None
+    if placement.group is None:
+        problems.append(
+            f"the target's {placement.weight_bytes / 1e9:,.0f} GB of weights do not fit "
+            f"{hardware.devices * hardware.num_nodes} × {hardware.memory_gb_per_device:g} GB "
+            f"(at most {plan.weight_memory_fraction:.0%} for weights)"
+        )
+    else:
+        extraction = estimate_extraction(model, hardware, placement, data, plan, cfg.extract.dtype)
+        if cfg.extract.regenerate.enabled:
+            regeneration = estimate_regeneration(model, hardware, placement, data, plan)
+    disk = [estimate_disk(model, hardware, dtype, data.tokens, data.conversations) for dtype in plan.dtypes]
+    stored = estimate_disk(model, hardware, cfg.extract.dtype, data.tokens, data.conversations)
+    if stored.fits is False:
+        problems.append(
+            f"{stored.dtype} shards (extract.dtype) need {stored.total_bytes / 1e12:,.1f} TB; "
+            f"the disk holds {hardware.disk_tb:g} TB"
+        )
+    training = estimate_training(
+        HeadShape.of(model, cfg.trainer),
+        hardware,
+        cfg.trainer,
+        tokens=data.tokens,
+        loss_fraction=data.loss_fraction,
+        mean_document_context=data.mean_context,
+        efficiency=calibrated_efficiency(plan.calibration, cfg.trainer),
+        bandwidth_efficiency=plan.calibration.training_bandwidth_efficiency,
+        attention_keys=plan.calibration.training_attention,
+    )
+    serving: list[ServingPoint] = []
+    group = serving_group(hardware, plan)
+    if placement.group is not None and placement.group <= group:
+        serving = [
+            serving_point(model, hardware, model.draft, model.draft_vocab_size, curve.tau(k), k, plan)
+            for k in range(1, plan.serving.max_draft_length + 1)
+        ]
+    return HardwarePlan(
+        hardware=hardware,
+        placement=placement,
+        disk=disk,
+        regeneration=regeneration,
+        extraction=extraction,
+        extraction_seconds=data.tokens / extraction.tokens_per_second if extraction else 0.0,
+        training=training,
+        serving=serving,
+        problems=problems,
+    )

@@ -1,0 +1,266 @@
+"""The printed plan: data, time and disk side by side per hardware, serving speedups, assumptions, verdict."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from eaglet.config.schema import EagletConfig
+from eaglet.plan.acceptance import AcceptanceCurve
+from eaglet.plan.data_size import DataSize
+from eaglet.plan.planner import HardwarePlan
+from eaglet.plan.serving import pcie_allreduce_fixed_seconds
+from eaglet.plan.target_cost import dense_bits, stored_weight_bytes
+from eaglet.plan.training import calibrated_efficiency
+
+
+def _hours(seconds: float) -> str:
+    if seconds >= 360:
+        return f"{seconds / 3600:,.1f} h"
+    return f"{seconds / 60:,.1f} min" if seconds >= 60 else f"{seconds:,.1f} s"
+
+
+def _gpu_hours(p: HardwarePlan) -> str:
+    return f"{p.gpu_hours:,.0f} GPU-hours" if p.gpu_hours >= 10 else f"{p.gpu_hours:,.2f} GPU-hours"
+
+
+def _tb(n: float) -> str:
+    return f"{n / 1e12:,.2f} TB" if n >= 1e11 else f"{n / 1e9:,.2f} GB"
+
+
+def _rate(tokens_per_second: float) -> str:
+    return (
+        f"{tokens_per_second / 1e3:,.1f}K tok/s"
+        if tokens_per_second >= 1e3
+        else f"{tokens_per_second:,.0f} tok/s"
+    )
+
+
+def verdict(plans: list[HardwarePlan], deadline_hours: float) -> str:
+    """One line: which hardware finishes the configured run within the deadline, and at what GPU-hours."""
+    feasible = [p for p in plans if p.feasible]
+    within = sorted((p for p in feasible if p.seconds <= deadline_hours * 3600), key=lambda p: p.gpu_hours)
+
+    def describe(p: HardwarePlan) -> str:
+        return f"{p.hardware.name} ({_hours(p.seconds)}, {_gpu_hours(p)})"
+
+    others = [p for p in feasible if p not in within]
+    blocked = [f"{p.hardware.name} cannot ({p.problems[0]})" for p in plans if not p.feasible]
+    if within:
+        line = f"Under {deadline_hours:g} h: " + ", ".join(describe(p) for p in within)
+        if others:
+            line += "; over: " + ", ".join(describe(p) for p in others)
+    elif others:
+        fastest = min(others, key=lambda p: p.seconds)
+        line = f"None finishes under {deadline_hours:g} h; fastest: {describe(fastest)}"
+    else:
+        line = "No hardware can run this plan"
+    return line + ("; " + "; ".join(blocked) if blocked else "") + "."
+
+
+def data_table(cfg: EagletConfig, data: DataSize) -> Table:
+    model = cfg.model
+    bits = f"{model.weight_bits}-bit" + (
+        f" experts, {dense_bits(model)}-bit rest"
+        if model.num_experts and dense_bits(model) != model.weight_bits
+        else ""
+    )
+    table = Table(title="model and data", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")
+    experts = (
+        f", MoE {model.num_experts} experts, top-{model.num_experts_per_tok}"
+        if model.num_experts
+        else ", dense"
+    )
+    rows = [
+        (
+            "target",
+            f"{model.name}: {model.total_params_b:g}B total, {model.active_params_b:g}B active, {bits}{experts}; "
+            f"{stored_weight_bytes(model) / 1e9:,.0f} GB of weights",
+        ),
+        (
+            "draft head",
+            f"H {model.draft.hidden_size}, {model.draft.num_attention_heads} heads, MLP {model.draft.intermediate_size}, "
+            f"draft vocab {model.draft_vocab_size:,}, K = {cfg.trainer.ttt_steps} TTT steps, "
+            f"lm_head {'trainable' if cfg.trainer.lm_head_trainable else 'frozen'}",
+        ),
+        ("conversations", f"{data.conversations:,}"),
+        ("tokens", f"{data.tokens:,.0f} ({data.loss_fraction:.0%} in the loss mask)"),
+        (
+            "regenerated",
+            f"{data.generated_tokens:,.0f} tokens generated after {data.prefill_tokens:,.0f} prompt tokens"
+            if cfg.extract.regenerate.enabled
+            else "off (extract.regenerate.enabled=false)",
+        ),
+        ("mean causal context", f"{data.mean_context:,.0f} tokens"),
+        ("sized from", data.source),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def time_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
+    table = Table(title=f"time and disk ({cfg.trainer.max_epochs} epoch(s))")
+    table.add_column("", no_wrap=True)
+    for p in plans:
+        table.add_column(p.hardware.name, overflow="fold")
+
+    def row(label: str, cell) -> None:
+        table.add_row(label, *(cell(p) for p in plans))
+
+    def link(p: HardwarePlan) -> str:
+        hw = p.hardware
+        nodes = f" × {hw.num_nodes} nodes" if hw.num_nodes > 1 else ""
+        return f"{hw.devices} × {hw.gpu}{nodes}, {hw.interconnect} {hw.interconnect_bandwidth_gbs:g} GB/s"
+
+    def placement(p: HardwarePlan) -> str:
+        if p.placement.group is None:
+            return "[red]does not fit[/red]"
+        return f"TP{p.placement.group} × {p.placement.replicas} replica(s)"
+
+    def regeneration(p: HardwarePlan) -> str:
+        r = p.regeneration
+        if r is None:
+            return "—"
+        return f"{_hours(r.seconds)} (decode {_rate(r.decode_tokens_per_second)}, batch {r.batch}/replica)"
+
+    def extraction(p: HardwarePlan) -> str:
+        e = p.extraction
+        if e is None:
+            return "—"
+        disk = f"; disk {e.disk_write_gbs:g} GB/s assumed" if e.disk_assumed else ""
+        return (
+            f"{_hours(p.extraction_seconds)} ({_rate(e.tokens_per_second)}; most time: {e.bottleneck}{disk})"
+        )
+
+    def training(p: HardwarePlan) -> str:
+        t = p.training
+        comm = (
+            " (gradient all-reduce bound)"
+            if t.allreduce_seconds_per_step > t.compute_seconds_per_step
+            else ""
+        )
+        return f"{_hours(t.seconds_per_epoch)} ({_rate(t.tokens_per_second)}){comm}"
+
+    def total(p: HardwarePlan) -> str:
+        text = f"{_hours(p.seconds)}, {_gpu_hours(p)}"
+        return text if p.feasible else f"[red]{text}; blocked[/red]"
+
+    row("devices", link)
+    row("target placement", placement)
+    row("regeneration", regeneration)
+    row("extraction", extraction)
+    row("training per epoch", training)
+    row("total", total)
+    for i, dtype in enumerate(cfg.plan.dtypes):
+
+        def disk(p: HardwarePlan, i: int = i) -> str:
+            d = p.disk[i]
+            mark = {None: "disk size unknown", True: "fits", False: "[red]does not fit[/red]"}[d.fits]
+            return (
+                f"{_tb(d.total_bytes)} ({d.bytes_per_token:,} B/token) of {p.hardware.disk_tb:g} TB: {mark}"
+            )
+
+        row(f"disk, {dtype} shards", disk)
+    return table
+
+
+def serving_table(plans: list[HardwarePlan], curve: AcceptanceCurve, cfg: EagletConfig) -> Table:
+    s = cfg.plan.serving
+    table = Table(
+        title="predicted serving speedup over plain decoding",
+        caption=f"batch {s.batch_size}, context {s.context_tokens:,} tokens; acceptance {curve.source}",
+    )
+    table.add_column("draft length K")
+    table.add_column("τ(K)")
+    shown = [p for p in plans if p.serving]
+    for p in shown:
+        table.add_column(p.hardware.name)
+    for k in range(1, s.max_draft_length + 1):
+        table.add_row(str(k), f"{curve.tau(k):.2f}", *(f"{p.serving[k - 1].speedup:.2f}×" for p in shown))
+    if shown:
+        table.add_section()
+        plain = [p.serving[0].plain for p in shown]
+        table.add_row("plain decode", "", *(f"{c.seconds * 1e3:.2f} ms/step" for c in plain))
+        table.add_row("all-reduce share", "", *(f"{c.allreduce / c.seconds:.0%}" for c in plain))
+        if cfg.model.num_experts:
+            best = [max(p.serving, key=lambda point: point.speedup) for p in shown]
+            table.add_row(
+                "experts/layer at best K",
+                "",
+                *(f"{b.distinct_experts:.1f} of {cfg.model.num_experts} (K={b.draft_length})" for b in best),
+            )
+    missing = [p.hardware.name for p in plans if not p.serving]
+    if missing:
+        table.caption += f"; not shown: {', '.join(missing)} (the target does not fit one serving group)"
+    return table
+
+
+def assumptions_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
+    cal, plan = cfg.plan.calibration, cfg.plan
+    table = Table(title="assumptions (conf/plan/default.yaml; override any plan.* key)", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")
+    rows = [
+        (
+            "target forward",
+            "2 × active parameters per token + attention; replicas of the smallest TP group that holds it",
+        ),
+        (
+            "training",
+            f"{calibrated_efficiency(cal, cfg.trainer):.1%} of datasheet bf16 for the "
+            f"{'compiled' if cfg.trainer.compile else 'eager'} layer (trainer.compile; calibrated on the H200 "
+            f"side-by-side row, Llama-3.1-8B shapes, K=3, lm_head frozen), + the loss's element-wise passes over "
+            f"the draft vocab at {cal.training_bandwidth_efficiency:.0%} of datasheet bandwidth; attention per "
+            f"{cal.training_attention} on GPUs, only at trained positions; DDP gradient all-reduce overlapped",
+        ),
+        (
+            "extraction",
+            f"forward at {cal.prefill_efficiency:.1%} of datasheet bf16, storing at {cal.host_store_gbs:g} GB/s per "
+            f"replica, disk {cal.disk_write_gbs:g} GB/s where the hardware gives none (H200 extraction rows)",
+        ),
+        (
+            "decode",
+            f"{cal.decode_bandwidth_efficiency:.0%} of datasheet bandwidth, {cal.decode_compute_efficiency:.0%} of "
+            "bf16 (assumed); verification reads each distinct expert E·(1−(1−k/E)^n)",
+        ),
+        (
+            "all-reduce",
+            f"PCIe {pcie_allreduce_fixed_seconds(cal) * 1e6:.1f} µs each (solved from {cal.pcie_allreduce_share:.1%} "
+            f"of decode: {cal.pcie_allreduce_model} on {cal.pcie_allreduce_hardware}), NVLink "
+            f"{cal.nvlink_allreduce_us:g} µs, + bytes / link bandwidth; 2 per layer",
+        ),
+        ("weights in memory", f"at most {plan.weight_memory_fraction:.0%} of device memory"),
+        (
+            "regeneration",
+            f"{plan.regenerate_batch_size} sequences per replica (fewer if the KV cache does not fit)",
+        ),
+        (
+            "tokens from text",
+            f"{plan.chars_per_token:g} characters per token + {plan.template_tokens_per_turn} per turn",
+        ),
+    ]
+    if any(p.hardware.num_nodes > 1 for p in plans):
+        rows.append(("multi-node", "links between nodes are taken at the in-node link rate (optimistic)"))
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def print_plan(
+    cfg: EagletConfig,
+    data: DataSize,
+    curve: AcceptanceCurve,
+    plans: list[HardwarePlan],
+    console: Console | None = None,
+) -> str:
+    console = console or Console(width=160)
+    console.print(data_table(cfg, data))
+    console.print(time_table(cfg, plans))
+    console.print(serving_table(plans, curve, cfg))
+    console.print(assumptions_table(cfg, plans))
+    line = verdict(plans, cfg.plan.deadline_hours)
+    console.print(f"[bold]{line}[/bold]")
+    return line

@@ -1,0 +1,85 @@
+"""τ and per-position acceptance of a trained head at draft lengths 1..K_max, against the real target.
+
+The prompts are the evaluator's (eval.sets, eval.prompts_per_set, eval.max_new_tokens; prompts seen in
+training are dropped). Every draft length comes from one replayed greedy decode per prompt
+(eaglet.sweeps.replay); real speculative decoding at K_max runs too, as a check of the replay (its τ is
+recorded beside the replayed one; its output must equal greedy decoding) and for the wall-clock speedup on
+this machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eaglet.config.schema import EagletConfig
+from eaglet.data.templating import resolve_chat_template
+from eaglet.errors import DataError
+from eaglet.evaluate.draft_loader import load_eagle_draft
+from eaglet.evaluate.metrics import _check_lossless as check_lossless
+from eaglet.evaluate.proposers import Eagle3Proposer
+from eaglet.evaluate.speculative import DecodeStats, greedy_decode, speculative_decode
+from eaglet.evaluate.stage import load_prompt_set, training_prompts
+from eaglet.sweeps.replay import replay_all, trace_prompt
+from eaglet.target import load_target
+
+
+def decode_curve(cfg: EagletConfig, draft_dir: Path, k_max: int) -> dict[str, Any]:
+    ev = cfg.eval
+    target = load_target(cfg.model, device=ev.device, cache_dir=Path(cfg.paths.cache_dir))
+    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
+    embed = target.parts.embed_tokens.weight.detach().float().cpu()
+    head, _, aux_ids = load_eagle_draft(draft_dir, embed_tokens=embed)
+    proposer = Eagle3Proposer(head.to(target.device), aux_ids)
+    seen = training_prompts(cfg)
+    prompts: list[list[int]] = []
+    per_set: dict[str, int] = {}
+    for name in ev.sets:
+        ids, _ = load_prompt_set(cfg, name, target.tokenizer, template, seen)
+        per_set[name] = len(ids)
+        prompts += ids
+    if not prompts:
+        raise DataError(
+            f"no evaluation prompt left in eval.sets={list(ev.sets)} (all overlap training, or "
+            "eval.prompts_per_set=0); sweep.tau_source=sim measures on the validation shards instead"
+        )
+    stop_ids = {target.tokenizer.eos_token_id}
+    if target.device.type == "cuda":  # first calls pay for lazy initialisation: keep them out of the timings
+        greedy_decode(target, prompts[0], 2, stop_ids)
+    traces, measured, near_ties = [], DecodeStats(), 0
+    for prompt in prompts:
+        trace = trace_prompt(
+            target, proposer, prompt, k_max=k_max, max_new_tokens=ev.max_new_tokens, stop_ids=stop_ids
+        )
+        output, stats = speculative_decode(
+            target,
+            proposer,
+            prompt,
+            num_spec_tokens=k_max,
+            max_new_tokens=ev.max_new_tokens,
+            stop_ids=stop_ids,
+        )
+        # Lossless: equal to greedy decoding, up to the evaluator's tolerated near-ties of bf16 targets.
+        near_ties += check_lossless(
+            target, "eaglet", len(traces), prompt, trace.reference[: trace.length], output, ev.tie_tolerance
+        )
+        traces.append(trace)
+        measured = measured + stats
+    totals = replay_all(traces, k_max, ev.max_new_tokens)
+    greedy_seconds = sum(t.greedy_seconds for t in traces)
+    return {
+        "prompts": per_set,
+        "new_tokens": totals[0].new_tokens,
+        "tau": [t.tau for t in totals],
+        # acceptance_rates[K-1][i]: accepted / proposed at draft position i+1 when drafting K tokens.
+        "acceptance_rates": [[t.acceptance_rate(i) for i in range(k)] for k, t in enumerate(totals, start=1)],
+        "tokens_per_forward": [t.tokens_per_forward for t in totals],
+        # Real speculative decoding at K_max: the replay's last entry must match it.
+        "measured_at_max_draft_length": {
+            "tau": measured.tau,
+            "acceptance_rates": [measured.acceptance_rate(i) for i in range(k_max)],
+            "tokens_per_forward": measured.tokens_per_forward,
+            "wall_clock_speedup": greedy_seconds / measured.seconds if measured.seconds else 0.0,
+            "near_ties": near_ties,
+        },
+    }

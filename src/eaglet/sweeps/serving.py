@@ -1,0 +1,99 @@
+"""The deployment a sweep predicts for (target x hardware), its speedup per draft length, and the vLLM line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from eaglet.config.schema import HardwareConfig, ModelConfig
+from eaglet.errors import ConfigError
+
+# Serving hardware when a sweep trains on a machine without datasheet numbers (hardware=cpu).
+FALLBACK_HARDWARE = "h200_x1"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where the head would be served: the target's config and the hardware's."""
+
+    model: Any  # ModelConfig or its DictConfig
+    hardware: Any  # HardwareConfig or its DictConfig
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Devices of one node: the target's tensor-parallel group, which the draft shares."""
+        return max(int(self.hardware.devices), 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": _plain(self.model), "hardware": _plain(self.hardware)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Deployment:
+        return cls(_typed(ModelConfig, data["model"]), _typed(HardwareConfig, data["hardware"]))
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(node), resolve=True)  # type: ignore[return-value]
+
+
+def _typed(schema: type, data: dict[str, Any]) -> DictConfig:
+    return OmegaConf.merge(OmegaConf.structured(schema), data)  # type: ignore[return-value]
+
+
+def has_datasheet(hardware: Any) -> bool:
+    return hardware.memory_bandwidth_gbs > 0 and hardware.bf16_tflops > 0
+
+
+def resolve_deployment(
+    model: Any, hardware: Any, serve_model: str | None = None, serve_hardware: str | None = None
+) -> Deployment:
+    """The named model / hardware (conf/model, conf/hardware), else this run's; h200_x1 for hardware without numbers."""
+    from eaglet.plan.configs import load_hardware, load_model
+
+    if serve_model is not None:
+        model = load_model(serve_model)
+    if serve_hardware is not None:
+        hardware = load_hardware(serve_hardware)
+    elif not has_datasheet(hardware):
+        hardware = load_hardware(FALLBACK_HARDWARE)
+    if not has_datasheet(hardware):
+        raise ConfigError(
+            f"hardware '{hardware.name}' has no memory_bandwidth_gbs / bf16_tflops to predict serving on; "
+            "choose serving hardware that has them (sweep.serve_hardware=..., files in conf/hardware/)"
+        )
+    return Deployment(model, hardware)
+
+
+def predicted_speedups(deployment: Deployment, draft_vocab_size: int, taus: list[float]) -> list[float]:
+    """Predicted decode speedup at draft lengths 1..len(taus), τ(K) measured at each."""
+    from eaglet.plan.serving import predicted_speedup
+
+    model, hardware = deployment.model, deployment.hardware
+    return [
+        float(predicted_speedup(model, hardware, model.draft, draft_vocab_size, tau, k))
+        for k, tau in enumerate(taus, start=1)
+    ]
+
+
+def speculative_config(draft_dir: str | Path, draft_length: int, tensor_parallel_size: int) -> dict[str, Any]:
+    """vLLM's --speculative-config for an EAGLE-3 head; the draft shares the target's tensor-parallel group
+    (vLLM accepts 1 or the target's size)."""
+    config: dict[str, Any] = {
+        "method": "eagle3",
+        "model": str(draft_dir),
+        "num_speculative_tokens": draft_length,
+    }
+    if tensor_parallel_size > 1:
+        config["draft_tensor_parallel_size"] = tensor_parallel_size
+    return config
+
+
+def vllm_command(draft_dir: str | Path, draft_length: int, tensor_parallel_size: int) -> str:
+    spec = json.dumps(speculative_config(draft_dir, draft_length, tensor_parallel_size))
+    tp = f" --tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    return f"vllm serve TARGET{tp} --speculative-config {shlex.quote(spec)}"
