@@ -323,3 +323,15 @@ def test_bad_scheduler_settings_are_reported(target, tmp_path: Path) -> None:
             out_path=tmp_path / "r.jsonl",
             max_length=512,
         )
+
+
+def test_prefill_batches_hold_prompts_of_similar_length() -> None:
+    from eaglet.generation.continuous import Request, _chunks
+
+    requests = [Request([0] * n) for n in (100, 90, 80, 70, 20, 19, 18, 5)]
+    lengths = lambda chunks: [[len(r.prompt) for r in chunk] for chunk in chunks]  # noqa: E731
+    # Under 3/4 of the batch's longest prompt starts a new batch; the padded-token budget caps each one.
+    assert lengths(_chunks(requests, budget=1000, min_tokens=0)) == [[100, 90, 80], [70], [20, 19, 18], [5]]
+    assert lengths(_chunks(requests, budget=250, min_tokens=0)) == [[100, 90], [80, 70], [20, 19, 18], [5]]
+    # A batch under min_tokens padded tokens takes any prompt (a GPU forward costs its launches).
+    assert lengths(_chunks(requests, budget=1000, min_tokens=300)) == [[100, 90, 80], [70, 20, 19, 18, 5]]

@@ -55,8 +55,11 @@ class DecodeSettings:
     # Decode steps between checks for finished rows: each check is a device sync and may rebuild the cache;
     # a row that finishes mid-window idles until the check.
     refill_every: int = 16
-    # Padded prompt tokens per prefill forward.
+    # Padded prompt tokens per prefill forward, at most; and at least, before prompts of quite different
+    # lengths get a forward of their own (null: 0 on CPU, where padding is pure waste; 16384 on GPUs, where a
+    # small forward costs its kernel launches more than its compute).
     prefill_tokens: int = 32768
+    min_prefill_tokens: int | None = None
 
 
 @torch.inference_mode()
@@ -82,6 +85,9 @@ class _RunningBatch:
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.attn_implementation = _attention_for_4d_masks(model.config)
+        self.min_prefill_tokens = settings.min_prefill_tokens
+        if self.min_prefill_tokens is None:
+            self.min_prefill_tokens = 0 if self.device.type == "cpu" else 16384
         self.stops = torch.tensor(sorted(settings.stop_ids), dtype=torch.long, device=self.device)
         self.requests: list[Request] = []
         # Tokens generated per row (decode runs past a stop until the next check), and cache columns per row.
@@ -152,7 +158,8 @@ class _RunningBatch:
         else:
             state = [tensor[:0] for tensor in state]
         # Longest first: one chunk holds prompts of similar length, so little padding.
-        for chunk in _chunks(sorted(incoming, key=lambda r: -len(r.prompt)), self.settings.prefill_tokens):
+        ordered = sorted(incoming, key=lambda r: -len(r.prompt))
+        for chunk in _chunks(ordered, self.settings.prefill_tokens, self.min_prefill_tokens):
             part, first = self._prefill(chunk)
             parts.append(part)
             lengths = torch.tensor([len(r.prompt) for r in chunk], dtype=torch.long, device=self.device)
@@ -248,12 +255,20 @@ def _attention_for_4d_masks(config: Any) -> str | None:
     return None if sliding else getattr(config, "_attn_implementation", None)
 
 
-def _chunks(requests: list[Request], budget: int) -> list[list[Request]]:
-    """Consecutive groups whose padded size (rows x longest prompt) stays within `budget` (one row at least)."""
+def _chunks(requests: list[Request], budget: int, min_tokens: int) -> list[list[Request]]:
+    """Prefill batches of requests sorted longest first, each within `budget` padded tokens (one row at least).
+
+    A batch closes early where the next prompt is under 3/4 of its longest, once it holds `min_tokens`
+    padded tokens: padding costs compute (quadratic in attention), and each forward costs launches.
+    """
     chunks: list[list[Request]] = []
     for request in requests:
-        if chunks and (len(chunks[-1]) + 1) * len(chunks[-1][0].prompt) <= budget:
-            chunks[-1].append(request)
-        else:
-            chunks.append([request])
+        if chunks:
+            longest, rows = len(chunks[-1][0].prompt), len(chunks[-1])
+            fits = (rows + 1) * longest <= budget
+            similar = 4 * len(request.prompt) >= 3 * longest or rows * longest < min_tokens
+            if fits and similar:
+                chunks[-1].append(request)
+                continue
+        chunks.append([request])
     return chunks
