@@ -121,8 +121,9 @@ def table(results: dict[str, dict]) -> str:
     head = "| trial | overrides | epochs | steps | val τ_sim | " + " | ".join(f"τ {s} (n-gram)" for s in sets)
     lines = [head + " | mean τ / n-gram τ | train s |", "|" + "---|" * (7 + len(sets))]
     for name, r in sorted(results.items(), key=lambda kv: -kv[1].get("score", -1)):
-        if "failed" in r:
-            lines.append(f"| {name} | failed: {r['failed']} |" + " |" * (5 + len(sets)))
+        if "tau" not in r:  # failed, or trained only (the speculators head, evaluated on CPU later)
+            what = f"failed: {r['failed']}" if "failed" in r else f"saved: {r.get('saved')}"
+            lines.append(f"| {name} | {what} |" + " |" * (5 + len(sets)))
             continue
         taus = " | ".join(f"{r['tau'][s]:.2f} ({r['ngram'][s]:.2f})" for s in sets)
         lines.append(

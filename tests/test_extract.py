@@ -210,6 +210,16 @@ def test_bad_input_ends_in_one_clear_line(tmp_path: Path, model_cache: Path) -> 
     assert typo.returncode != 0 and "bach_tokens" in typo.stderr
 
 
+def test_conversation_regeneration_leaves_empty_is_skipped_and_counted(compose, tmp_path: Path) -> None:
+    # Its first prompt leaves no room for an answer within extract.max_length: regeneration keeps no turn.
+    too_long = {"id": "long", "conversations": [{"role": "user", "content": "word " * 400},
+                                                {"role": "assistant", "content": "ok"}]}  # fmt: skip
+    data = write_jsonl(tmp_path / "d.jsonl", [*some_records(2), too_long])
+    regen = ["extract.regenerate.enabled=true", "extract.regenerate.max_new_tokens=4", f"paths.data_dir={tmp_path}"]
+    summary = run_extraction(compose(*overrides(data, tmp_path / "out", *regen)))
+    assert summary.sequences == 2 and summary.skipped == 1
+
+
 def test_conversations_without_assistant_are_skipped_and_counted(compose, tmp_path: Path) -> None:
     prompt_only = {"id": "p", "conversations": [{"role": "user", "content": "no answer here"}]}
     data = write_jsonl(tmp_path / "d.jsonl", [*some_records(2), prompt_only])

@@ -247,6 +247,9 @@ def _tokenize(
     """Tokenized samples with at least one loss-masked token, and how many were skipped for having none."""
     samples, skipped = [], 0
     for conv in tqdm(conversations, desc="tokenize", unit="conv", leave=False):
+        if not any(turn.role == "assistant" for turn in conv.turns):  # e.g. regeneration found no room
+            skipped += 1
+            continue
         sample = tokenize_conversation(
             target.tokenizer, conv, max_length=cfg.extract.max_length, chat_template=template
         )
