@@ -10,7 +10,7 @@ Stages (each resumes: a finished trial or stage is not redone):
          idle), each evaluated against the real target (`python evaluate.py`, fp32 target, `sweep_prompts`
          prompts per set) beside n-gram lookup; table in <out>/sweep.md.
 - final: the settings of the best trial (mean over the sets of τ / n-gram τ) for `final_epochs`, evaluated the
-         same way on every prompt of each set; <out>/final.md.
+         same way on every prompt of each set (`final_prompts=0`: not here); <out>/final.md.
 Settings travel as Hydra overrides, so every number in the tables can be rerun by hand.
 """
 
@@ -39,7 +39,8 @@ TRIALS: dict[str, list[str]] = {
     "noise0.05": ["trainer.feature_noise_std=0.05"],
 }
 OPTS = {"stages": "data,sweep,final", "out": "outputs/smollm2_gpu", "gpus": "", "per_gpu": "4",
-        "sweep_epochs": "1", "final_epochs": "6", "sweep_prompts": "10", "trials": ",".join(TRIALS),
+        "sweep_epochs": "1", "final_epochs": "6", "sweep_prompts": "10", "final_prompts": "all",
+        "trials": ",".join(TRIALS),
         "eval_device": "cuda", "extra": ""}  # fmt: skip
 # `extra`: overrides appended to every command, e.g. a CPU smoke run: extra="hardware=cpu dataset=default ...".
 
@@ -67,6 +68,10 @@ def train_and_evaluate(
             run / "log.txt",
             gpu,
         )
+    report = json.loads((run / "report.json").read_text())
+    if prompts == 0:  # trained only: evaluated later, e.g. on CPU
+        return {"overrides": overrides, "epochs": epochs, "steps": report["steps"], "train_s": report["seconds"],
+                "tau_sim": report["tau_sim"], "saved": str(run / "draft")}  # fmt: skip
     if not (run / "eval.json").exists():
         limit = [] if prompts is None else [f"eval.prompts_per_set={prompts}"]
         sh(
@@ -83,7 +88,6 @@ def train_and_evaluate(
             run / "log.txt",
             gpu,
         )
-    report = json.loads((run / "report.json").read_text())
     sets = json.loads((run / "eval.json").read_text())["sets"]
     tau = {name: s["results"]["eaglet"]["tau"] for name, s in sets.items()}
     ngram = {name: s["results"]["ngram"]["tau"] for name, s in sets.items()}
@@ -167,9 +171,11 @@ def main(argv: list[str]) -> None:
             ((n, r) for n, r in sweep.items() if "score" in r), key=lambda nr: nr[1]["score"]
         )
         epochs = int(opts["final_epochs"])
+        # "all": every prompt of each set; 0: no evaluation here (the record is evaluated on CPU later).
+        final_prompts = None if opts["final_prompts"] == "all" else int(opts["final_prompts"])
         with ThreadPoolExecutor(2) as pool:
             final_job = pool.submit(
-                run_trials, {"final": (out / "final", best["overrides"], epochs, None)}, gpus[:1], 1, opts
+                run_trials, {"final": (out / "final", best["overrides"], epochs, final_prompts)}, gpus[:1], 1, opts
             )
             # The speculators package's head on the same shards, micro-batches and optimizer steps (its
             # lm_head frozen, its default), trained beside ours; evaluated later with eval.baseline_draft.

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
+from eaglet.generation.gqa_attention import gqa_decode
 from eaglet.generation.row_cache import CachedRows, RowCache
 from eaglet.generation.sampling import pick_next
 
@@ -65,16 +66,17 @@ class DecodeSettings:
 @torch.inference_mode()
 def decode_continuous(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
     """Decode every request `source` hands out until it has no more and no row is running."""
-    batch = _RunningBatch(model, settings)
-    while True:
-        for request, tokens in batch.harvest():
-            source.finish(request, tokens)
-        incoming = source.take(settings.max_rows - batch.size)
-        if not incoming and batch.size == 0:
-            return
-        if incoming or batch.changed:
-            batch.refill(incoming)
-        batch.decode()
+    with gqa_decode(model):
+        batch = _RunningBatch(model, settings)
+        while True:
+            for request, tokens in batch.harvest():
+                source.finish(request, tokens)
+            incoming = source.take(settings.max_rows - batch.size)
+            if not incoming and batch.size == 0:
+                return
+            if incoming or batch.changed:
+                batch.refill(incoming)
+            batch.decode()
 
 
 class _RunningBatch:

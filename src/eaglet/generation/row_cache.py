@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from eaglet.generation.gqa_attention import NAME as GQA_DECODE
+
 
 class _BufferLayer(CacheLayerMixin):
     """One layer's keys and values [rows, kv_heads, capacity, head_dim]; columns [0, width) hold tokens."""
@@ -97,7 +99,7 @@ class RowCache:
         sync at every step that would stall the launch queue. Other attention kernels get the 2D mask.
         """
         mask = self.mask[:, : self.width + 1]
-        if attn_implementation == "sdpa":
+        if attn_implementation in ("sdpa", GQA_DECODE):
             return mask[:, None, None, :]
         if attn_implementation == "eager":
             additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)

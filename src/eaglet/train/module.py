@@ -194,10 +194,8 @@ class DraftHeadModule(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         params = [p for p in self.head.parameters() if p.requires_grad]
-        # One fused kernel for the whole update on CUDA (the default issues several per parameter group).
-        fused = all(p.is_cuda for p in params)
         optimizer = torch.optim.AdamW(
-            params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=fused or None
+            params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95)
         )
         warmup = max(1, int(hp.warmup_ratio * hp.total_steps))
 
