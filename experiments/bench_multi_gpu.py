@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import date
 from pathlib import Path
 
@@ -33,7 +34,9 @@ from eaglet.shards.synthetic import write_synthetic_shards  # noqa: E402
 
 BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
 OPTS = {"model": "llama3_1_8b", "hardware": "h200_x2", "devices": "", "strategies": "ddp,fsdp", "steps": "30",
-        "warmup": "5", "docs": "96", "doc_tokens": "2048", "ttt": "3", "draft_vocab": "32000", "workers": "4"}  # fmt: skip
+        "warmup": "5", "docs": "96", "doc_tokens": "2048", "ttt": "3", "draft_vocab": "32000", "workers": "4",
+        "run_timeout": "0"}  # fmt: skip
+# run_timeout: seconds one training run may take (0: no limit); a run past it becomes a "failed" row.
 # NVLink multicast stays off on shared hosts.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -53,7 +56,13 @@ def train(run_dir: Path, shards: Path, opts: dict, devices: int, strategy: str, 
         "trainer.warmup_ratio=0", f"trainer.num_workers={opts['workers']}", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, **SAFE_ENV, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    limit = float(opts["run_timeout"]) or None
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"{strategy} x{devices} failed:\nran past run_timeout={limit:.0f} s") from err
+    print(f"{strategy} x{devices}: exit {proc.returncode} after {time.perf_counter() - started:.0f} s", flush=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{strategy} x{devices} failed:\n{proc.stderr[-4000:]}")
     return run_dir / "metrics.csv"
@@ -91,15 +100,18 @@ def main(argv: list[str]) -> None:
         shards, cfg.model, docs=int(opts["docs"]), doc_tokens=int(opts["doc_tokens"]), device=gen_device
     )
     warmup = int(opts["warmup"])
-    runs = {"1 device": read_metrics(train(work / "one", shards, opts, 1, "auto", global_tokens), warmup)}
-    failed = {}
-    for strategy in opts["strategies"].split(","):
+    runs, failed = {}, {}
+    for name, strategy, world in [("1 device", "auto", 1)] + [
+        (f"{strategy} x{devices}", strategy, devices) for strategy in opts["strategies"].split(",")
+    ]:
         try:
-            path = train(work / strategy, shards, opts, devices, strategy, global_tokens)
-            runs[f"{strategy} x{devices}"] = read_metrics(path, warmup)
+            runs[name] = read_metrics(train(work / strategy, shards, opts, world, strategy, global_tokens), warmup)
+            print(f"{name}: {runs[name]['tps']:,.0f} tokens/s, peak {runs[name]['peak_gib']:.1f} GiB", flush=True)
         except RuntimeError as err:  # the other runs still make their rows
-            print(err, file=sys.stderr)
-            failed[f"{strategy} x{devices}"] = str(err).strip().splitlines()[-1][:120]
+            print(err, file=sys.stderr, flush=True)
+            failed[name] = str(err).strip().splitlines()[-1][:120]
+    if "1 device" not in runs:
+        raise SystemExit(f"the one-device run failed ({failed['1 device']}): no baseline to compare with")
 
     if torch.cuda.is_available():
         where = f"{devices}x {torch.cuda.get_device_name()}, torch {torch.__version__}"

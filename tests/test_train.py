@@ -214,3 +214,22 @@ def test_two_process_ddp_equals_one_process(shards: Path, tmp_path: Path, model_
 def global_loss_curve(metrics_csv: Path) -> dict[int, float]:
     rows = csv.DictReader(open(metrics_csv))
     return {int(r["step"]): float(r["train/loss_global"]) for r in rows if r.get("train/loss_global")}
+
+
+def test_bf16_mixed_precision_clips_gradients_of_the_fused_optimizer(
+    compose, shards: Path, tmp_path: Path, monkeypatch
+) -> None:
+    # Lightning refuses to clip for a fused optimizer under mixed precision; without a loss scaler eaglet clips.
+    clipped = []
+    original = torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, max_norm, *args, **kwargs):
+        norm = original(parameters, max_norm, *args, **kwargs)
+        clipped.append((float(norm), max_norm))
+        return norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    overrides = train_overrides(shards, tmp_path, "hardware.precision=bf16-mixed", "trainer.grad_clip=0.001")
+    summary = run_training(compose(*overrides), tmp_path / "run")
+    assert summary.steps > 0 and len(clipped) == summary.steps
+    assert all(max_norm == 0.001 and norm > 0.001 for norm, max_norm in clipped)

@@ -184,19 +184,26 @@ class DraftHeadModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
+        if not gradient_clip_val or gradient_clip_algorithm not in (None, "norm"):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
         # FSDP holds shards: only the wrapped model can compute the global norm (Lightning's default refuses).
         wrapped = self.trainer.strategy.model
-        if gradient_clip_val and hasattr(wrapped, "clip_grad_norm_"):
+        if hasattr(wrapped, "clip_grad_norm_"):
             wrapped.clip_grad_norm_(gradient_clip_val)
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        elif getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            # No loss scaling (fp32, bf16): the gradients are true gradients. Lightning refuses to clip for any
+            # fused optimizer under mixed precision, as if a scaler were in play.
+            torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
+                                           gradient_clip_val)  # fmt: skip
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         params = [p for p in self.head.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95)
-        )
+        # One fused kernel for the whole update (the default launches several per step per tensor group).
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=True)
         warmup = max(1, int(hp.warmup_ratio * hp.total_steps))
 
         def schedule(step: int) -> float:
