@@ -62,7 +62,10 @@ def train(run_dir: Path, shards: Path, opts: dict, devices: int, strategy: str, 
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired as err:
         raise RuntimeError(f"{strategy} x{devices} failed:\nran past run_timeout={limit:.0f} s") from err
-    print(f"{strategy} x{devices}: exit {proc.returncode} after {time.perf_counter() - started:.0f} s", flush=True)
+    print(
+        f"{strategy} x{devices}: exit {proc.returncode} after {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{strategy} x{devices} failed:\n{proc.stderr[-4000:]}")
     return run_dir / "metrics.csv"
@@ -105,8 +108,13 @@ def main(argv: list[str]) -> None:
         (f"{strategy} x{devices}", strategy, devices) for strategy in opts["strategies"].split(",")
     ]:
         try:
-            runs[name] = read_metrics(train(work / strategy, shards, opts, world, strategy, global_tokens), warmup)
-            print(f"{name}: {runs[name]['tps']:,.0f} tokens/s, peak {runs[name]['peak_gib']:.1f} GiB", flush=True)
+            runs[name] = read_metrics(
+                train(work / strategy, shards, opts, world, strategy, global_tokens), warmup
+            )
+            print(
+                f"{name}: {runs[name]['tps']:,.0f} tokens/s, peak {runs[name]['peak_gib']:.1f} GiB",
+                flush=True,
+            )
         except RuntimeError as err:  # the other runs still make their rows
             print(err, file=sys.stderr, flush=True)
             failed[name] = str(err).strip().splitlines()[-1][:120]

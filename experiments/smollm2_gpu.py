@@ -175,7 +175,11 @@ def main(argv: list[str]) -> None:
         final_prompts = None if opts["final_prompts"] == "all" else int(opts["final_prompts"])
         with ThreadPoolExecutor(2) as pool:
             final_job = pool.submit(
-                run_trials, {"final": (out / "final", best["overrides"], epochs, final_prompts)}, gpus[:1], 1, opts
+                run_trials,
+                {"final": (out / "final", best["overrides"], epochs, final_prompts)},
+                gpus[:1],
+                1,
+                opts,
             )
             # The speculators package's head on the same shards, micro-batches and optimizer steps (its
             # lm_head frozen, its default), trained beside ours; evaluated later with eval.baseline_draft.

@@ -114,3 +114,9 @@ def test_default_aux_layer_ids(compose, model: str, ids: list[int]) -> None:
     from eaglet.target import resolve_aux_layer_ids
 
     assert resolve_aux_layer_ids(compose(f"model={model}").model) == ids
+
+
+def test_chat_template_variables_are_added_with_a_plus(compose) -> None:
+    cfg = compose("model=kimi_k2_5", "+model.chat_template_kwargs.thinking=false")
+    assert dict(cfg.model.chat_template_kwargs) == {"thinking": False}
+    assert dict(compose().model.chat_template_kwargs) == {}

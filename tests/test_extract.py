@@ -215,7 +215,11 @@ def test_conversation_regeneration_leaves_empty_is_skipped_and_counted(compose, 
     too_long = {"id": "long", "conversations": [{"role": "user", "content": "word " * 400},
                                                 {"role": "assistant", "content": "ok"}]}  # fmt: skip
     data = write_jsonl(tmp_path / "d.jsonl", [*some_records(2), too_long])
-    regen = ["extract.regenerate.enabled=true", "extract.regenerate.max_new_tokens=4", f"paths.data_dir={tmp_path}"]
+    regen = [
+        "extract.regenerate.enabled=true",
+        "extract.regenerate.max_new_tokens=4",
+        f"paths.data_dir={tmp_path}",
+    ]
     summary = run_extraction(compose(*overrides(data, tmp_path / "out", *regen)))
     assert summary.sequences == 2 and summary.skipped == 1
 

@@ -26,7 +26,11 @@ def test_equals_sdpa_over_repeated_heads(mask_kind: str) -> None:
     value = torch.randn(rows, kv_heads, width + 4, dim, dtype=torch.float64)[:, :, :width]
     keep = torch.rand(rows, 1, 1, width) > 0.3
     keep[..., -1] = True  # every row sees its newest token
-    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -1e30)
+    mask = (
+        keep
+        if mask_kind == "bool"
+        else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -1e30)
+    )
     module = torch.nn.Module()
     got, _ = gqa_decode_attention(module, query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(got, reference(query, key, value, mask, 0.3))
@@ -64,7 +68,9 @@ def test_decoding_goes_through_it_and_restores_the_model(monkeypatch) -> None:
                 self.done.append(tokens)
 
         source = Source()
-        decode_continuous(model, source, DecodeSettings(max_new_tokens=4, stop_ids=frozenset(), pad_id=0, max_rows=2))
+        decode_continuous(
+            model, source, DecodeSettings(max_new_tokens=4, stop_ids=frozenset(), pad_id=0, max_rows=2)
+        )
     finally:
         AttentionInterface.register(gqa_attention.NAME, original)
     assert len(source.done) == 2 and all(len(tokens) == 4 for tokens in source.done)

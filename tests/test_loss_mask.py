@@ -396,3 +396,38 @@ def test_real_multi_turn_conversations(smollm2):
         assert_mask_is_exactly_the_replies(
             smollm2, tokenized, conversation, "<|im_start|>assistant\n", "<|im_end|>"
         )
+
+
+def test_template_variables_render_every_turn_in_the_chosen_mode(tokenizers):
+    """model.chat_template_kwargs={thinking: false}: Kimi-K2.5's instant mode everywhere eaglet renders."""
+    tokenizer = tokenizers["kimi_k25_instant"]
+    instant = resolve_chat_template(tokenizer, KIMI_K25_TEMPLATE, {"thinking": False})
+    tokenized = tokenize_conversation(tokenizer, CONVERSATION, max_length=4096, chat_template=instant)
+    ids = tokenized.input_ids
+    replies = [turn.content for turn in CONVERSATION.turns if turn.role == "assistant"]
+    assert [decode(tokenizer, ids[a:b]) for a, b in masked_runs(tokenized)] == [
+        f"{r}<|im_end|>" for r in replies
+    ]
+    prompt = build_prompt_ids(tokenizer, CONVERSATION.turns[:2], chat_template=instant)
+    assert decode(tokenizer, prompt).endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
+    # The variables are part of the template, so shards record the mode they were rendered in.
+    assert chat_template_hash(instant) != chat_template_hash(KIMI_K25_TEMPLATE)
+    assert resolve_chat_template(tokenizer, KIMI_K25_TEMPLATE, {}) == KIMI_K25_TEMPLATE
+    with pytest.raises(ConfigError, match="'bad-name' is not a template variable name"):
+        resolve_chat_template(tokenizer, KIMI_K25_TEMPLATE, {"bad-name": True})
+
+
+def test_thinking_switch_of_a_regeneration_server_also_renders_the_shards():
+    from eaglet.config.schema import ModelConfig, RegenerateConfig
+    from eaglet.data.templating import chat_template_variables
+
+    model = SimpleNamespace(chat_template_kwargs={"reasoning_effort": "low"})
+    local = RegenerateConfig(enabled=True, thinking=False)
+    served = RegenerateConfig(enabled=True, endpoint="http://host:8000/v1", thinking=True)
+    assert chat_template_variables(model, local) == {"reasoning_effort": "low"}
+    assert chat_template_variables(model, served) == {
+        "reasoning_effort": "low", "thinking": True, "enable_thinking": True
+    }  # fmt: skip
+    explicit = SimpleNamespace(chat_template_kwargs={"thinking": False})
+    assert chat_template_variables(explicit, served)["thinking"] is False
+    assert ModelConfig.__dataclass_fields__["chat_template_kwargs"].default_factory() == {}

@@ -408,3 +408,17 @@ def test_extraction_regenerates_through_the_endpoint(compose, server, tmp_path: 
     (regenerated,) = (tmp_path / "data" / "regenerated").glob("*-endpoint-*.jsonl")
     assert [r["id"] for r in records(regenerated)] == ["ends-with-user", "multi", "prompt-only"]
     assert summary.sequences == 3 and summary.masked_tokens > 0
+
+
+def test_template_arguments_reach_the_server_and_key_the_output(server, tmp_path: Path) -> None:
+    cfg = replace(SETTINGS, endpoint=server.url)
+    kwargs = {"thinking": False, "enable_thinking": False, "reasoning_effort": "low"}
+    regenerate_via_endpoint(
+        CONVERSATIONS[1:2], cfg=cfg, model=MODEL, out_path=tmp_path / "r.jsonl", max_length=512,
+        template_kwargs=kwargs,
+    )  # fmt: skip
+    assert server.bodies and all(b["chat_template_kwargs"] == kwargs for b in server.bodies)
+    base = tmp_path / "r.jsonl"
+    plain = endpoint_output_path(base, cfg, MODEL)
+    assert endpoint_output_path(base, cfg, MODEL, {"thinking": True, "enable_thinking": True}) == plain
+    assert endpoint_output_path(base, cfg, MODEL, kwargs) != plain

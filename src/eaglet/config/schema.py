@@ -7,6 +7,7 @@ value of the wrong type fails at composition and names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -46,6 +47,10 @@ class ModelConfig:
     # Dotted attribute path of the decoder layers; null = discover (model.layers, language_model.model.layers, ...).
     layer_path: str | None = None
     chat_template: str | None = None
+    # Variables every rendering of the chat template sees (e.g. {thinking: false} for Kimi-K2.5's instant mode),
+    # in extraction, regeneration and evaluation alike, and sent to servers as chat_template_kwargs.
+    # From the command line: +model.chat_template_kwargs.thinking=false
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # dtype the target runs in on this machine: float32 on CPU, bfloat16 on GPUs.
     dtype: str = "auto"
 

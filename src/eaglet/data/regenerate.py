@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -55,11 +55,13 @@ def regenerate_conversations(
     out_path: Path,
     max_length: int,
     chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
     """Regenerated copies of `conversations` (same ids and order), resuming from `out_path`.
 
     With `cfg.endpoint` set the server answers (`model` is not used) and the records go to a file next to
-    `out_path` keyed by the served model and the thinking mode, which change every answer.
+    `out_path` keyed by the served model and the template arguments (thinking mode), which change every answer;
+    `template_kwargs` go to the server's chat template (default: the thinking switch alone).
     """
     if cfg.endpoint is not None:
         # Imported here: the client library is only needed when an endpoint is configured.
@@ -70,7 +72,7 @@ def regenerate_conversations(
         )
 
         served = served_model(cfg)
-        path = endpoint_output_path(out_path, cfg, served)
+        path = endpoint_output_path(out_path, cfg, served, template_kwargs)
         print(f"regenerating through {cfg.endpoint} (model {served}, thinking {cfg.thinking}) -> {path}")
         return regenerate_via_endpoint(
             conversations,
@@ -80,6 +82,7 @@ def regenerate_conversations(
             max_length=max_length,
             tokenizer=tokenizer,
             chat_template=chat_template,
+            template_kwargs=template_kwargs,
         )
     if model is None:
         raise ConfigError(
@@ -88,9 +91,9 @@ def regenerate_conversations(
         )
     if cfg.thinking:
         raise ConfigError(
-            "extract.regenerate.thinking=true is passed to a server's chat template; in-process regeneration "
-            "renders model.chat_template without template arguments. Set extract.regenerate.endpoint, or "
-            "leave thinking false and pass a template in the mode you want with model.chat_template='...'"
+            "extract.regenerate.thinking=true is passed to a server's chat template; for in-process "
+            "regeneration set the template's own variable instead, e.g. model.chat_template_kwargs={thinking: true}"
+            " (or set extract.regenerate.endpoint)"
         )
     return _regenerate_in_process(
         model,

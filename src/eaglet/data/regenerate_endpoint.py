@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +43,9 @@ from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.regenerate import RegenerateStats
 from eaglet.data.regenerated import append_finished, prompt_hash, read_finished, user_turn_groups
-from eaglet.data.templating import build_prompt_ids
+from eaglet.data.templating import THINKING_VARIABLES, build_prompt_ids
 from eaglet.errors import ConfigError, EagletError
 
-# Template variables that switch thinking on or off, by model family (see the module docstring).
-THINKING_KWARGS = ("thinking", "enable_thinking")
 # Where servers put thinking split off by a reasoning parser: vLLM (renamed late 2025), older vLLM and SGLang.
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 # Statuses the client retries (besides 5xx); any other 4xx is final.
@@ -98,9 +96,13 @@ def served_model(cfg: RegenerateConfig) -> str:
     return served[0]
 
 
-def endpoint_output_path(base: Path, cfg: RegenerateConfig, model: str) -> Path:
+def endpoint_output_path(
+    base: Path, cfg: RegenerateConfig, model: str, template_kwargs: Mapping[str, Any] | None = None
+) -> Path:
     """`base` with a suffix keyed by what changes an endpoint's answers beyond the caller's key."""
-    key = json.dumps({"model": model, "thinking": cfg.thinking}, sort_keys=True)
+    other = {k: v for k, v in (template_kwargs or {}).items() if k not in THINKING_VARIABLES}
+    fields = {"model": model, "thinking": cfg.thinking, **({"template_kwargs": other} if other else {})}
+    key = json.dumps(fields, sort_keys=True)
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
     return base.with_name(f"{base.stem}-endpoint-{digest}{base.suffix}")
 
@@ -114,6 +116,7 @@ def regenerate_via_endpoint(
     max_length: int,
     tokenizer: Any = None,
     chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
     """Regenerated copies of `conversations` (same ids and order) from the endpoint, resuming from `out_path`.
 
@@ -127,7 +130,9 @@ def regenerate_via_endpoint(
     stats.resumed = len(done)
     pending = [c for c in conversations if c.id not in done]
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    session = _Session(cfg, model, max_length, tokenizer, chat_template, stats)
+    if template_kwargs is None:
+        template_kwargs = dict.fromkeys(THINKING_VARIABLES, cfg.thinking)
+    session = _Session(cfg, model, max_length, tokenizer, chat_template, dict(template_kwargs), stats)
     start = time.perf_counter()
     with (
         open(out_path, "ab") as sink,
@@ -162,9 +167,11 @@ class _Session:
         max_length: int,
         tokenizer: Any,
         chat_template: str | None,
+        template_kwargs: dict[str, Any],
         stats: RegenerateStats,
     ) -> None:
         self.cfg = cfg
+        self.template_kwargs = template_kwargs
         self.model = model
         self.max_length = max_length
         self.tokenizer = tokenizer
@@ -230,7 +237,7 @@ class _Session:
                 top_p=cfg.top_p,
                 seed=_request_seed(cfg.seed, conv.id, index),
                 n=1,
-                extra_body={"chat_template_kwargs": dict.fromkeys(THINKING_KWARGS, cfg.thinking)},
+                extra_body={"chat_template_kwargs": self.template_kwargs},
             )
         except openai.APIStatusError as exc:
             retried = exc.status_code in _RETRIED or exc.status_code >= 500

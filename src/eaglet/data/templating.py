@@ -9,7 +9,8 @@ through the tokenizer's offsets, so any template whose earlier turns render stab
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,36 @@ class TokenizedConversation:
         return int(self.loss_mask.sum())
 
 
-def resolve_chat_template(tokenizer: Any, override: str | None) -> str:
-    """The override if given, else the tokenizer's own chat template."""
+def resolve_chat_template(
+    tokenizer: Any, override: str | None, variables: Mapping[str, Any] | None = None
+) -> str:
+    """The override if given, else the tokenizer's own chat template; `variables` set at its top.
+
+    Setting them inside the template (rather than passing them at each render) makes every rendering see
+    them, and puts them into the template's hash, so shards record the mode they were rendered in.
+    """
+    template = _template_text(tokenizer, override)
+    header = ""
+    for name, value in (variables or {}).items():
+        if not str(name).isidentifier():
+            raise ConfigError(
+                f"model.chat_template_kwargs: {name!r} is not a template variable name (letters, digits, _)"
+            )
+        header += "{%- set " + str(name) + " = " + json.dumps(value) + " -%}"
+    return header + template
+
+
+def chat_template_variables(model: Any, regenerate: Any) -> dict[str, Any]:
+    """The variables of model.chat_template_kwargs, plus the thinking switch sent to a regeneration server
+    (so that eaglet renders the answers in the mode they were generated in), unless set explicitly."""
+    variables = dict(model.chat_template_kwargs or {})
+    if regenerate.enabled and regenerate.endpoint:
+        for name in THINKING_VARIABLES:
+            variables.setdefault(name, bool(regenerate.thinking))
+    return variables
+
+
+def _template_text(tokenizer: Any, override: str | None) -> str:
     if override is not None:
         if not override.strip():
             raise ConfigError(
@@ -58,6 +87,10 @@ def resolve_chat_template(tokenizer: Any, override: str | None) -> str:
             "model.chat_template='...' (the template the target model was trained with)"
         )
     return template
+
+
+# Template variables that switch thinking on or off: Kimi K2.5 / DeepSeek V3.1, and Qwen3 / SmolLM3 / GLM.
+THINKING_VARIABLES = ("thinking", "enable_thinking")
 
 
 def chat_template_hash(template: str) -> str:

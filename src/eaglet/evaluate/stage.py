@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from eaglet.config.schema import EagletConfig
 from eaglet.data.conversations import load_conversations
 from eaglet.data.holdout import normalise_prompt
-from eaglet.data.templating import build_prompt_ids, resolve_chat_template
+from eaglet.data.templating import build_prompt_ids, chat_template_variables, resolve_chat_template
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate.draft_loader import load_eagle_draft
 from eaglet.evaluate.metrics import evaluate_prompts, format_table
@@ -110,7 +110,9 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
         raise DataError(f"{run} holds no finished head (no draft/config.json)")
     check_run_target(run, cfg)
     target = load_target(cfg.model, device=ev.device, cache_dir=Path(cfg.paths.cache_dir))
-    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
+    template = resolve_chat_template(
+        target.tokenizer, cfg.model.chat_template, chat_template_variables(cfg.model, cfg.extract.regenerate)
+    )
     proposers = build_proposers(cfg, run, target)
     seen = training_prompts(cfg)
     stop_ids = {target.tokenizer.eos_token_id}

@@ -26,6 +26,7 @@ from eaglet.data.regenerate import RegenerateStats, regenerate_conversations
 from eaglet.data.templating import (
     TokenizedConversation,
     chat_template_hash,
+    chat_template_variables,
     resolve_chat_template,
     tokenize_conversation,
 )
@@ -157,7 +158,9 @@ def run_extraction(cfg: EagletConfig) -> ExtractSummary:
     conversations, no_assistant = load_dataset(cfg)
 
     target = load_target(cfg.model, device=ext.device, cache_dir=Path(cfg.paths.cache_dir))
-    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
+    template = resolve_chat_template(
+        target.tokenizer, cfg.model.chat_template, chat_template_variables(cfg.model, cfg.extract.regenerate)
+    )
     regen_stats = None
     if ext.regenerate.enabled:
         conversations, regen_stats = _regenerate(cfg, target, conversations, template)
@@ -238,6 +241,7 @@ def _regenerate(
         out_path=path,
         max_length=cfg.extract.max_length,
         chat_template=template,
+        template_kwargs=chat_template_variables(cfg.model, rg) if rg.endpoint else None,
     )
 
 

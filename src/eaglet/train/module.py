@@ -203,7 +203,9 @@ class DraftHeadModule(L.LightningModule):
         hp = self.hparams
         params = [p for p in self.head.parameters() if p.requires_grad]
         # One fused kernel for the whole update (the default launches several per step per tensor group).
-        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=True)
+        optimizer = torch.optim.AdamW(
+            params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=True
+        )
         warmup = max(1, int(hp.warmup_ratio * hp.total_steps))
 
         def schedule(step: int) -> float:

@@ -27,6 +27,7 @@ from eaglet.data.regenerate import RegenerateStats
 from eaglet.data.templating import (
     TokenizedConversation,
     chat_template_hash,
+    chat_template_variables,
     resolve_chat_template,
     tokenize_conversation,
 )
@@ -113,7 +114,9 @@ def _run(
     out_dir = pipeline.shard_dir(cfg)
     conversations, no_assistant = pipeline.load_dataset(cfg)
     tokenizer = load_tokenizer(cfg.model, Path(cfg.paths.cache_dir))
-    template = resolve_chat_template(tokenizer, cfg.model.chat_template)
+    template = resolve_chat_template(
+        tokenizer, cfg.model.chat_template, chat_template_variables(cfg.model, cfg.extract.regenerate)
+    )
     target_hash = checkpoint.checkpoint_config_hash(hf_config)
     regen_stats = None
     if ext.regenerate.enabled:
