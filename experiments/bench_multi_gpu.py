@@ -34,8 +34,10 @@ from eaglet.shards.synthetic import write_synthetic_shards  # noqa: E402
 
 BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
 OPTS = {"model": "llama3_1_8b", "hardware": "h200_x2", "devices": "", "strategies": "ddp,fsdp", "steps": "30",
-        "warmup": "5", "docs": "96", "doc_tokens": "2048", "ttt": "3", "draft_vocab": "32000", "workers": "4",
-        "run_timeout": "0"}  # fmt: skip
+        "warmup": "5", "docs": "96", "doc_tokens": "2048", "ttt": "3", "draft_vocab": "32000", "workers": "0",
+        "threads": "2", "append": "1", "run_timeout": "0"}  # fmt: skip
+# append=0: print the table without appending it to BENCHMARKS.md.
+# workers/threads: the loader (worker processes, or threads of the training process: the default).
 # run_timeout: seconds one training run may take (0: no limit); a run past it becomes a "failed" row.
 # NVLink multicast stays off on shared hosts.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -53,7 +55,8 @@ def train(run_dir: Path, shards: Path, opts: dict, devices: int, strategy: str, 
         f"trainer.max_steps={opts['steps']}", f"trainer.global_batch_tokens={global_tokens}",
         f"trainer.ttt_steps={opts['ttt']}", f"model.draft_vocab_size={opts['draft_vocab']}",
         "trainer.val_fraction=0", f"trainer.checkpoint_every_n_steps={10**6}", "trainer.lr=1e-4",
-        "trainer.warmup_ratio=0", f"trainer.num_workers={opts['workers']}", f"hydra.run.dir={run_dir}",
+        "trainer.warmup_ratio=0", f"trainer.num_workers={opts['workers']}", f"trainer.loader_threads={opts['threads']}",
+        f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, **SAFE_ENV, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     limit = float(opts["run_timeout"]) or None
@@ -96,6 +99,13 @@ def main(argv: list[str]) -> None:
     cfg = composed(opts["model"], opts["hardware"])
     devices = int(opts["devices"] or cfg.hardware.devices)
     global_tokens = cfg.hardware.tokens_per_device * devices
+    # Whole rounds of bins on every rank: otherwise the last bins are split to balance the ranks, the runs see
+    # different micro-batches and their losses differ for that reason alone.
+    per_round = max(1, cfg.hardware.tokens_per_device // int(opts["doc_tokens"])) * devices
+    docs = -(-int(opts["docs"]) // per_round) * per_round
+    if docs != int(opts["docs"]):
+        print(f"docs={opts['docs']} -> {docs}: whole micro-batches on every device", flush=True)
+        opts["docs"] = str(docs)
     work = Path(tempfile.mkdtemp(prefix="bench-multi-"))
     shards = work / "shards"
     gen_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,6 +159,8 @@ def main(argv: list[str]) -> None:
     print("\n".join(rows))
     for name, r in runs.items():
         print(name, "loss_global:", " ".join(f"{r['loss'][s]:.4f}" for s in sorted(r["loss"])[:12]))
+    if opts["append"] == "0":
+        return
     command = "python experiments/bench_multi_gpu.py " + " ".join(argv)
     with open(BENCH_FILE, "a") as fh:
         fh.write(f"\n### Multi-device training — `{command.strip()}`\n\n{header}\n" + "\n".join(rows) + "\n")
