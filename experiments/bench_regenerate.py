@@ -43,6 +43,8 @@ DEFAULTS = {
     "schedulers": "turn-serial,continuous",
     # 0: print the table without appending it to BENCHMARKS.md.
     "record": 1,
+    # 1: also profile the continuous scheduler (torch.profiler): time per phase and the busiest kernels.
+    "profile": 0,
 }
 SOURCES = ("sharegpt_v3_head.jsonl", "oasst_en100.jsonl")
 
@@ -187,6 +189,23 @@ def continuous(
     return [list(c.turns) for c in out], stats.generated_tokens
 
 
+def profile_continuous(model, tokenizer, conversations: list[Conversation], opts: dict) -> None:
+    """One continuous run under torch.profiler: wall time per phase (regen.* ranges) and the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        continuous(model, tokenizer, conversations, opts)
+        sync()
+    events = prof.key_averages()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print("| phase | calls | CPU s | device s |\n|---|---|---|---|")
+    for event in sorted((e for e in events if e.key.startswith("regen.")), key=lambda e: -e.cpu_time_total):
+        device_us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0))
+        print(f"| {event.key} | {event.count} | {event.cpu_time_total / 1e6:.2f} | {device_us / 1e6:.2f} |")
+    print(events.table(sort_by=f"self_{device}_time_total", row_limit=20))
+
+
 def main(argv: list[str]) -> None:
     opts = dict(DEFAULTS)
     overrides = []
@@ -208,6 +227,8 @@ def main(argv: list[str]) -> None:
     # Warm-up: kernels, allocator, tokenizer caches.
     for name in chosen:
         runners[name](target.model, target.tokenizer, conversations[:2], {**opts, "max_new_tokens": 4})
+    if opts["profile"]:
+        profile_continuous(target.model, target.tokenizer, conversations, opts)
     results = {}
     for name in chosen:
         sync()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache
 
 from eaglet.generation.gqa_attention import gqa_decode
@@ -66,17 +67,23 @@ class DecodeSettings:
 @torch.inference_mode()
 def decode_continuous(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
     """Decode every request `source` hands out until it has no more and no row is running."""
+    # The named ranges show up in a torch.profiler trace (experiments/bench_regenerate.py bench.profile=1).
     with gqa_decode(model):
         batch = _RunningBatch(model, settings)
         while True:
-            for request, tokens in batch.harvest():
-                source.finish(request, tokens)
-            incoming = source.take(settings.max_rows - batch.size)
+            with record_function("regen.harvest"):
+                finished = batch.harvest()
+            with record_function("regen.source"):
+                for request, tokens in finished:
+                    source.finish(request, tokens)
+                incoming = source.take(settings.max_rows - batch.size)
             if not incoming and batch.size == 0:
                 return
             if incoming or batch.changed:
-                batch.refill(incoming)
-            batch.decode()
+                with record_function("regen.refill"):
+                    batch.refill(incoming)
+            with record_function("regen.decode"):
+                batch.decode()
 
 
 class _RunningBatch:
@@ -162,7 +169,8 @@ class _RunningBatch:
         # Longest first: one chunk holds prompts of similar length, so little padding.
         ordered = sorted(incoming, key=lambda r: -len(r.prompt))
         for chunk in _chunks(ordered, self.settings.prefill_tokens, self.min_prefill_tokens):
-            part, first = self._prefill(chunk)
+            with record_function("regen.prefill"):
+                part, first = self._prefill(chunk)
             parts.append(part)
             lengths = torch.tensor([len(r.prompt) for r in chunk], dtype=torch.long, device=self.device)
             hit = torch.isin(first, self.stops)
@@ -174,7 +182,8 @@ class _RunningBatch:
             self.generated.extend([1] * len(chunk))
             self.lengths.extend(len(r.prompt) for r in chunk)
         self.tokens, self.positions, self.counts, self.stop_at, self.seeds, self.out = state
-        self.cache = RowCache.assemble(parts, self._reserve)
+        with record_function("regen.assemble"):
+            self.cache = RowCache.assemble(parts, self._reserve)
         self.keep, self.changed = None, False
 
     def decode(self) -> None:
