@@ -335,3 +335,23 @@ def test_prefill_batches_hold_prompts_of_similar_length() -> None:
     assert lengths(_chunks(requests, budget=250, min_tokens=0)) == [[100, 90], [80, 70], [20, 19, 18], [5]]
     # A batch under min_tokens padded tokens takes any prompt (a GPU forward costs its launches).
     assert lengths(_chunks(requests, budget=1000, min_tokens=300)) == [[100, 90, 80], [70, 20, 19, 18, 5]]
+
+
+def test_a_prompt_with_no_room_keeps_its_turns_unanswered_and_the_file_stays_a_dataset(target, tmp_path):
+    from eaglet.data.conversations import read_jsonl_conversations
+
+    long_prompt = conv("long", ("user", "word " * 300), ("assistant", "old"))
+    out, stats = regenerate_conversations(
+        target.model,
+        target.tokenizer,
+        [CONVERSATIONS[1], long_prompt],
+        cfg=SETTINGS,
+        out_path=tmp_path / "r.jsonl",
+        max_length=128,
+    )
+    assert stats.cut_for_length == 1
+    assert [t.role for t in out[1].turns] == ["user"]  # the prompt, unanswered
+    # The output reads back as a dataset: the unanswered conversation is one without an assistant turn.
+    rows = {c.id: c for c in read_jsonl_conversations(tmp_path / "r.jsonl")}  # in the order they finished
+    assert set(rows) == {"prompt-only", "long"}
+    assert [t.role for t in rows["long"].turns] == ["user"]

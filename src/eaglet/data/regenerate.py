@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
-from eaglet.data.regenerated import append_finished, prompt_hash, read_finished, user_turn_groups
+from eaglet.data.regenerated import append_finished, kept_turns, prompt_hash, read_finished, user_turn_groups
 from eaglet.data.templating import build_prompt_ids
 from eaglet.errors import ConfigError
 from eaglet.generation import DecodeSettings, Request, decode_continuous
@@ -239,12 +239,9 @@ class _TurnQueue:
                 seed = _turn_seed(self.cfg.seed, dialogue.source.id, dialogue.answered)
                 return Request(ids, seed=seed, tag=dialogue)
             self.stats.cut_for_length += 1
-        # A conversation whose first prompt alone is too long keeps no turns; it is dropped later
-        # (no assistant tokens) and counted there.
         source = dialogue.source
-        regenerated = Conversation(
-            id=source.id, turns=tuple(dialogue.history), source=source.source, line=source.line
-        )
+        turns = kept_turns(dialogue.history, dialogue.groups)
+        regenerated = Conversation(id=source.id, turns=turns, source=source.source, line=source.line)
         self.unwritten.append((source, regenerated))
         return None
 

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.regenerate import RegenerateStats
-from eaglet.data.regenerated import append_finished, prompt_hash, read_finished, user_turn_groups
+from eaglet.data.regenerated import append_finished, kept_turns, prompt_hash, read_finished, user_turn_groups
 from eaglet.data.templating import THINKING_VARIABLES, build_prompt_ids
 from eaglet.errors import ConfigError, EagletError
 
@@ -211,7 +211,8 @@ class _Session:
     async def answer(self, client: openai.AsyncOpenAI, conv: Conversation) -> Conversation:
         """`conv` with every user turn answered by the endpoint, in order."""
         history: list[Turn] = []
-        for index, group in enumerate(user_turn_groups(conv)):
+        groups = user_turn_groups(conv)
+        for index, group in enumerate(groups):
             turns = history + group
             if self.tokenizer is not None:
                 ids = build_prompt_ids(self.tokenizer, turns, chat_template=self.chat_template)
@@ -220,8 +221,7 @@ class _Session:
                     break
             reply = await self.complete(client, conv, index, turns)
             history = [*turns, Turn("assistant", reply)]
-        # A conversation whose first prompt alone is too long keeps no turns; extraction drops it.
-        return Conversation(id=conv.id, turns=tuple(history), source=conv.source, line=conv.line)
+        return Conversation(id=conv.id, turns=kept_turns(history, groups), source=conv.source, line=conv.line)
 
     async def complete(
         self, client: openai.AsyncOpenAI, conv: Conversation, index: int, turns: list[Turn]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,6 +36,15 @@ def user_turn_groups(conv: Conversation) -> list[list[Turn]]:
             groups.append(current)
             current = []
     return groups
+
+
+def kept_turns(history: Sequence[Turn], groups: Sequence[Sequence[Turn]]) -> tuple[Turn, ...]:
+    """The turns a regenerated record keeps: those answered so far. A conversation whose first prompt left no
+    room for an answer keeps that prompt unanswered, so the file stays a valid dataset (readers skip and
+    count a conversation without an assistant turn)."""
+    if history:
+        return tuple(history)
+    return tuple(groups[0]) if groups else ()
 
 
 def append_finished(sink: BinaryIO, finished: Iterable[tuple[Conversation, Conversation]]) -> None:
