@@ -69,9 +69,10 @@ def train_and_evaluate(
             gpu,
         )
     report = json.loads((run / "report.json").read_text())
+    trained = {"overrides": overrides, "epochs": epochs, "steps": report["steps"], "train_s": report["seconds"],
+               "tau_sim": report["tau_sim"]}  # fmt: skip
     if prompts == 0:  # trained only: evaluated later, e.g. on CPU
-        return {"overrides": overrides, "epochs": epochs, "steps": report["steps"], "train_s": report["seconds"],
-                "tau_sim": report["tau_sim"], "saved": str(run / "draft")}  # fmt: skip
+        return {**trained, "saved": str(run / "draft")}
     if not (run / "eval.json").exists():
         limit = [] if prompts is None else [f"eval.prompts_per_set={prompts}"]
         sh(
@@ -92,8 +93,7 @@ def train_and_evaluate(
     tau = {name: s["results"]["eaglet"]["tau"] for name, s in sets.items()}
     ngram = {name: s["results"]["ngram"]["tau"] for name, s in sets.items()}
     score = sum(tau[n] / ngram[n] for n in tau) / len(tau)
-    return {"overrides": overrides, "epochs": epochs, "steps": report["steps"], "train_s": report["seconds"],
-            "tau_sim": report["tau_sim"], "tau": tau, "ngram": ngram, "score": score}  # fmt: skip
+    return {**trained, "tau": tau, "ngram": ngram, "score": score}
 
 
 def run_trials(

@@ -3,9 +3,8 @@
 With an attention mask (continuous batching always has one: rows start at different columns), transformers'
 SDPA path on CUDA copies every key and value `num_key_value_groups` times per step (`repeat_kv`) before the
 kernel, moving several times the whole cache through memory at every step. Here the query heads of a
-group become query positions of their key/value head instead, so SDPA reads the cache as it is (2 CPU cores,
-128 rows x 1,024 columns: 15 ms a layer in fp32 against 163 ms with the copy). Prompts (queries longer than
-one token) go to transformers' SDPA function unchanged.
+group become query positions of their key/value head instead, so SDPA reads the cache as it is. Prompts
+(queries longer than one token) go to transformers' SDPA function unchanged.
 """
 
 from __future__ import annotations
