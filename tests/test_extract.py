@@ -231,3 +231,11 @@ def test_conversations_without_assistant_are_skipped_and_counted(compose, tmp_pa
     assert summary.sequences == 2 and summary.skipped == 1
     with pytest.raises(DataError, match="d.jsonl:3"):
         run_extraction(compose(*overrides(data, tmp_path / "strict", "extract.strict=true")))
+
+
+def test_answers_of_another_model_are_not_imported(compose, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
+    shipped = PROJECT_ROOT / "experiments" / "data" / "smollm2_135m_shared_all.jsonl.gz"
+    regen = ["extract.regenerate.enabled=true", f"extract.regenerate.import_from={shipped}"]
+    with pytest.raises(ConfigError, match="does not start with the target's name 'tiny_llama'"):
+        run_extraction(compose(*overrides(data, tmp_path / "out", *regen)))

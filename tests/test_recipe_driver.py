@@ -18,7 +18,8 @@ def driver(out: Path, cache: Path, *options: str) -> subprocess.CompletedProcess
         f"hardware=cpu dataset=oasst_en100 dataset.max_records_per_file=16 extract.regenerate.max_new_tokens=24 "
         f"extract.max_length=256 extract.output_dir={out}/shards paths.data_dir={out}/data paths.cache_dir={cache} "
         "hardware.tokens_per_device=512 trainer.global_batch_tokens=512 trainer.max_steps=3 trainer.val_fraction=0.3 "
-        "eval.prompts_per_set=1 eval.max_new_tokens=8 eval.sets=[math] model.draft_vocab_size=64"
+        "eval.prompts_per_set=1 eval.max_new_tokens=8 eval.sets=[math] model.draft_vocab_size=64 "
+        "extract.regenerate.import_from=null"
     )
     cmd = [sys.executable, str(PROJECT_ROOT / "experiments" / "smollm2_gpu.py"), f"out={out}", "eval_device=cpu",
            "per_gpu=2", "sweep_prompts=1", "final_epochs=1", f"extra={tiny}", *options]  # fmt: skip

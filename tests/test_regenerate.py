@@ -355,3 +355,62 @@ def test_a_prompt_with_no_room_keeps_its_turns_unanswered_and_the_file_stays_a_d
     rows = {c.id: c for c in read_jsonl_conversations(tmp_path / "r.jsonl")}  # in the order they finished
     assert set(rows) == {"prompt-only", "long"}
     assert [t.role for t in rows["long"].turns] == ["user"]
+
+
+def test_answers_imported_from_another_machine_are_reused_and_the_rest_generated(
+    target, tmp_path: Path, monkeypatch
+) -> None:
+    import gzip
+    from dataclasses import replace
+
+    elsewhere = tmp_path / "gpu.jsonl"
+    first, _ = regenerate_conversations(
+        target.model, target.tokenizer, CONVERSATIONS, cfg=SETTINGS, out_path=elsewhere, max_length=512
+    )
+    # The file as brought back: gzipped, with the last conversation's prompt edited since (so not reused).
+    records = [json.loads(line) for line in elsewhere.read_text().splitlines()]
+    packed = tmp_path / "gpu.jsonl.gz"
+    packed.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    edited = [*CONVERSATIONS[:2], conv("ends-with-user", ("user", "A changed"), ("user", "B"))]
+    generated = []
+    original = target.model.forward
+    monkeypatch.setattr(target.model, "forward", lambda *a, **k: generated.append(1) or original(*a, **k))
+    here = tmp_path / "here.jsonl"
+    settings = replace(SETTINGS, import_from=str(packed))
+    out, stats = regenerate_conversations(
+        target.model, target.tokenizer, edited, cfg=settings, out_path=here, max_length=512
+    )
+    assert stats.resumed == 2 and generated  # the edited one was generated here
+    assert [c.turns for c in out[:2]] == [c.turns for c in first[:2]]
+    assert out[2].turns[0].content == "A changed"
+    # Importing again copies nothing twice.
+    regenerate_conversations(
+        target.model, target.tokenizer, edited, cfg=settings, out_path=here, max_length=512
+    )
+    assert len(here.read_text().splitlines()) == 3
+
+
+def test_an_unreadable_import_is_reported(target, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    missing = replace(SETTINGS, import_from=str(tmp_path / "nowhere.jsonl.gz"))
+    with pytest.raises(DataError, match=r"import_from=.*nowhere.jsonl.gz.* is not a file"):
+        regenerate_conversations(
+            target.model,
+            target.tokenizer,
+            CONVERSATIONS,
+            cfg=missing,
+            out_path=tmp_path / "r.jsonl",
+            max_length=512,
+        )
+    torn = tmp_path / "torn.jsonl.gz"
+    torn.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(DataError, match=r"torn.jsonl.gz: cannot read"):
+        regenerate_conversations(
+            target.model,
+            target.tokenizer,
+            CONVERSATIONS,
+            cfg=replace(SETTINGS, import_from=str(torn)),
+            out_path=tmp_path / "r.jsonl",
+            max_length=512,
+        )

@@ -159,6 +159,9 @@ class RegenerateConfig:
     request_timeout_s: float = 3600.0
     # Sent to the server's chat template as chat_template_kwargs {thinking, enable_thinking}.
     thinking: bool = False
+    # Answers regenerated elsewhere (a regenerated JSONL, gzipped or not, e.g. brought back from a GPU
+    # machine): those whose conversation id and prompts match are reused, the rest are generated.
+    import_from: str | None = None
 
 
 @dataclass

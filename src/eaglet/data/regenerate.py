@@ -25,7 +25,14 @@ from tqdm.auto import tqdm
 
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
-from eaglet.data.regenerated import append_finished, kept_turns, prompt_hash, read_finished, user_turn_groups
+from eaglet.data.regenerated import (
+    append_finished,
+    import_finished,
+    kept_turns,
+    prompt_hash,
+    read_finished,
+    user_turn_groups,
+)
 from eaglet.data.templating import build_prompt_ids
 from eaglet.errors import ConfigError
 from eaglet.generation import DecodeSettings, Request, decode_continuous
@@ -74,6 +81,7 @@ def regenerate_conversations(
         served = served_model(cfg)
         path = endpoint_output_path(out_path, cfg, served, template_kwargs)
         print(f"regenerating through {cfg.endpoint} (model {served}, thinking {cfg.thinking}) -> {path}")
+        _import_answers(cfg, path, conversations)
         return regenerate_via_endpoint(
             conversations,
             cfg=cfg,
@@ -95,6 +103,7 @@ def regenerate_conversations(
             "regeneration set the template's own variable instead, e.g. model.chat_template_kwargs={thinking: true}"
             " (or set extract.regenerate.endpoint)"
         )
+    _import_answers(cfg, out_path, conversations)
     return _regenerate_in_process(
         model,
         tokenizer,
@@ -104,6 +113,13 @@ def regenerate_conversations(
         max_length=max_length,
         chat_template=chat_template,
     )
+
+
+def _import_answers(cfg: RegenerateConfig, out_path: Path, conversations: Sequence[Conversation]) -> None:
+    if cfg.import_from is None:
+        return
+    copied = import_finished(Path(cfg.import_from), out_path, conversations)
+    print(f"imported {copied} regenerated conversations from {cfg.import_from} into {out_path}")
 
 
 def _regenerate_in_process(

@@ -7,6 +7,7 @@ and a restart reuses every record whose prompts still match.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -61,25 +62,56 @@ def read_finished(path: Path, wanted: dict[str, str]) -> dict[str, Conversation]
 
     A torn last line from a killed run is cut off.
     """
-    done: dict[str, Conversation] = {}
     if not path.exists():
-        return done
+        return {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) != len(data):
         with open(path, "r+b") as fh:
             fh.truncate(len(complete))
-    for number, raw in enumerate(complete.splitlines(), start=1):
+    return _parse_records(complete, path, wanted, "delete the file to regenerate from scratch")
+
+
+def import_finished(source: Path, out_path: Path, conversations: Sequence[Conversation]) -> int:
+    """Copy the records of `source` (a regenerated JSONL, gzipped or not, e.g. from a GPU machine) that answer
+    `conversations` and are not in `out_path` yet into `out_path`; how many were copied.
+
+    Matching is by conversation id and prompt hash, so an edited prompt is regenerated, never reused.
+    """
+    if not source.is_file():
+        raise DataError(
+            f"extract.regenerate.import_from={str(source)!r} is not a file; pass a regenerated JSONL "
+            "(data/regenerated/<model>-<key>.jsonl, gzipped or not) or null"
+        )
+    wanted = {c.id: prompt_hash(c) for c in conversations}
+    have = read_finished(out_path, wanted)
+    opener = gzip.open if source.suffix == ".gz" else open
+    try:
+        with opener(source, "rb") as fh:
+            data = fh.read()
+    except (OSError, EOFError) as exc:  # a truncated or corrupt gzip file
+        raise DataError(f"{source}: cannot read ({exc}); copy the file again") from exc
+    found = _parse_records(data, source, wanted, "fix or replace the file, or set import_from=null")
+    new = {conv_id: conv for conv_id, conv in found.items() if conv_id not in have}
+    if not new:
+        return 0
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    sources = {c.id: c for c in conversations}
+    with open(out_path, "ab") as sink:
+        append_finished(sink, ((sources[conv_id], conv) for conv_id, conv in new.items()))
+    return len(new)
+
+
+def _parse_records(data: bytes, path: Path, wanted: dict[str, str], fix: str) -> dict[str, Conversation]:
+    done: dict[str, Conversation] = {}
+    for number, raw in enumerate(data.splitlines(), start=1):
         try:
             record = json.loads(raw)
             conv_id = record["id"]
             turns = tuple(Turn(t["role"], t["content"]) for t in record["conversations"])
             recorded_hash = record["prompt_hash"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(
-                f"{path}:{number}: unreadable regenerated conversation ({exc}); delete the file to regenerate "
-                "from scratch"
-            ) from exc
+            raise DataError(f"{path}:{number}: unreadable regenerated conversation ({exc}); {fix}") from exc
         if wanted.get(conv_id) == recorded_hash:
             done[conv_id] = Conversation(id=conv_id, turns=turns, source=str(path), line=number)
     return done

@@ -214,6 +214,13 @@ def _regenerate(
     cfg: EagletConfig, target: LoadedTarget, conversations: list[Conversation], template: str
 ) -> tuple[list[Conversation], RegenerateStats]:
     rg = cfg.extract.regenerate
+    if rg.import_from is not None and not Path(rg.import_from).name.startswith(cfg.model.name):
+        # Records hold prompts and answers, not who answered: the file name carries the model.
+        raise ConfigError(
+            f"extract.regenerate.import_from={rg.import_from!r}: its name does not start with the target's "
+            f"name {cfg.model.name!r}, so its answers may be another model's; set import_from=null, or rename "
+            f"the file to {cfg.model.name}-....jsonl(.gz) if {cfg.model.name} wrote it"
+        )
     # Keyed by everything that changes a generated answer; records inside are keyed by conversation id,
     # so a larger dataset reuses what was generated for a smaller one.
     key = _short_hash(
