@@ -300,7 +300,10 @@ def _identity(cfg: EagletConfig, target: LoadedTarget, template: str, aux_ids: l
             "batch_tokens": ext.batch_tokens,
             "target_dtype": str(target.dtype),
             "device": target.device.type,
-            "regenerate": dict(cfg.extract.regenerate) if ext.regenerate.enabled else None,
+            # Where imported answers came from is not part of it: the samples' tokens are hashed below.
+            "regenerate": {k: v for k, v in dict(ext.regenerate).items() if k != "import_from"}
+            if ext.regenerate.enabled
+            else None,
         },
     }
 
