@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -360,9 +362,6 @@ def test_a_prompt_with_no_room_keeps_its_turns_unanswered_and_the_file_stays_a_d
 def test_answers_imported_from_another_machine_are_reused_and_the_rest_generated(
     target, tmp_path: Path, monkeypatch
 ) -> None:
-    import gzip
-    from dataclasses import replace
-
     elsewhere = tmp_path / "gpu.jsonl"
     first, _ = regenerate_conversations(
         target.model, target.tokenizer, CONVERSATIONS, cfg=SETTINGS, out_path=elsewhere, max_length=512
@@ -391,8 +390,6 @@ def test_answers_imported_from_another_machine_are_reused_and_the_rest_generated
 
 
 def test_an_unreadable_import_is_reported(target, tmp_path: Path) -> None:
-    from dataclasses import replace
-
     missing = replace(SETTINGS, import_from=str(tmp_path / "nowhere.jsonl.gz"))
     with pytest.raises(DataError, match=r"import_from=.*nowhere.jsonl.gz.* is not a file"):
         regenerate_conversations(
