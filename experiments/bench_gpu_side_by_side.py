@@ -295,6 +295,28 @@ def time_steps(
     return opts.steps * opts.batch_tokens / sum(timed), peak, sum(times[: opts.warmup])
 
 
+def print_profile(title: str, step: Callable, batches: list, opts, device: torch.device) -> None:
+    """`opts.profile` more steps under torch.profiler: the kernels that took the most device time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(opts.profile):
+            step(to_device(batches[i % len(batches)], device))
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
+    total = sum(getattr(e, key) for e in events) or 1.0
+    print(
+        f"\nprofile {title}: {total / 1e3 / opts.profile:.1f} ms of kernels per step; top {opts.profile_rows}"
+    )
+    for e in events[: opts.profile_rows]:
+        t = getattr(e, key)
+        print(
+            f"  {t / 1e3 / opts.profile:8.2f} ms {100 * t / total:5.1f}% x{e.count // opts.profile:<4} {e.key[:110]}"
+        )
+
+
 def run_row(name: str, shape_name: str, ttt: int, batches, target, opts, device) -> Row:
     """Build, warm up and time one variant; its memory is released before returning, whatever happened."""
     row = Row(shape_name, ttt, name)
@@ -308,6 +330,8 @@ def run_row(name: str, shape_name: str, ttt: int, batches, target, opts, device)
         else:
             step, state = build_eaglet(SHAPES[shape_name], ttt, variant, target, opts, device)
         row.tps, row.peak_gib, row.warmup_s = time_steps(step, batches, opts, device, baseline)
+        if opts.profile:
+            print_profile(f"{shape_name} K={ttt} {name}", step, batches, opts, device)
     except Exception as error:  # one failing variant must not stop the others
         row.error = first_line(error)
         if opts.verbose:
@@ -489,6 +513,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes, few steps: runs on CPU in about a minute"
     )
+    p.add_argument("--profile", type=int, default=0, help="profile this many steps per row after timing")
+    p.add_argument("--profile-rows", type=int, default=30, help="kernels listed per profile")
     p.add_argument("--verbose", action="store_true", help="full tracebacks of failing variants")
     opts = p.parse_args(argv)
     if opts.smoke:

@@ -2,6 +2,7 @@
 
     python experiments/side_by_side_speculators.py                      # embedded default, 96 steps
     python experiments/side_by_side_speculators.py steps=96 ttt=3 prompts=5 max_new_tokens=64
+    python experiments/side_by_side_speculators.py experiments=smollm2_gpu epochs=6 ttt=5 evaluate=0 save=DIR
     python experiments/side_by_side_speculators.py shards=DIR model=tiny_llama ...   # other keys: Hydra overrides
 
 Both heads start from the same weights at the model config's draft shape (`model.draft`, `model.draft_vocab_size`,
@@ -70,11 +71,12 @@ from eaglet.target import load_target
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.module import DraftHeadModule
-from eaglet.train.run import build_module, check_manifest
+from eaglet.train.run import build_module, check_manifest, optimizer_steps
 
 BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
-OPTS: dict[str, Any] = {"shards": None, "steps": 96, "ttt": 3, "prompts": 5, "max_new_tokens": 64, "evaluate": 1,
-                        "save": None}  # fmt: skip
+OPTS: dict[str, Any] = {"shards": None, "steps": 96, "epochs": 0, "ttt": 3, "prompts": 5, "max_new_tokens": 64,
+                        "evaluate": 1, "save": None}  # fmt: skip
+# `epochs=N` (N > 0) replaces `steps`: the optimizer steps `python train.py trainer.max_epochs=N` takes on these shards.
 # `save=DIR` writes both trained heads in the EAGLE format (DIR/eaglet, DIR/speculators); `evaluate=0` skips the
 # evaluation (e.g. train on a GPU machine, evaluate elsewhere with evaluate.py eval.baseline_draft=DIR/speculators).
 # speculators' teacher: frozen copies of the target's final norm and draft-vocab lm_head rows. They are not
@@ -110,8 +112,9 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
                 opts[key] = int(value)
             except ValueError:
                 raise ConfigError(f"{key}={value!r} must be an integer") from None
-            if opts[key] < 1 and key != "evaluate":
-                raise ConfigError(f"{key}={value} must be >= 1")
+            least = 0 if key in ("evaluate", "epochs") else 1
+            if opts[key] < least:
+                raise ConfigError(f"{key}={value} must be >= {least}")
     return opts, overrides
 
 
@@ -119,7 +122,12 @@ def compose_config(opts: dict[str, Any], overrides: list[str]) -> DictConfig:
     """The composed config of the entry points, with this comparison's settings applied last (they win)."""
     forced = [
         f"trainer.ttt_steps={opts['ttt']}",
-        f"trainer.max_steps={opts['steps']}",
+        # epochs: as train.py counts them (a trainer.max_steps override still wins, as there)
+        (
+            f"trainer.max_epochs={opts['epochs']}"
+            if opts["epochs"] > 0
+            else f"trainer.max_steps={opts['steps']}"
+        ),
         "trainer.lm_head_trainable=false",
         "trainer.mask_outside_draft_vocab=false",  # speculators trains on every loss-masked position
         f"eval.num_spec_tokens={opts['ttt']}",
@@ -430,9 +438,10 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         shards, plan.tokens_per_device, tr.val_fraction, tr.seed, num_workers=0, check_finite=True
     )
     datamodule.setup()
+    steps = optimizer_steps(tr, datamodule, plan)
 
     torch.manual_seed(tr.seed)
-    module = build_module(cfg, manifest, total_steps=tr.max_steps)
+    module = build_module(cfg, manifest, total_steps=steps)
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
     device = torch.device(
         "cuda" if cfg.hardware.accelerator == "gpu" and torch.cuda.is_available() else "cpu"
@@ -442,7 +451,7 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     module.train()
     model.train()
     sides = make_sides(module, model, cfg)
-    train_both(sides, datamodule, tr.max_steps, plan.accumulate_grad_batches, tr.grad_clip)
+    train_both(sides, datamodule, steps, plan.accumulate_grad_batches, tr.grad_clip)
 
     module.float().cpu()
     if (
@@ -471,7 +480,7 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         "training": {
             s.name: {"steps": len(s.losses), "seconds": s.seconds, "losses": s.losses} for s in sides
         },
-        "micro_batches": tr.max_steps * plan.accumulate_grad_batches,
+        "micro_batches": steps * plan.accumulate_grad_batches,
         "tokens_per_batch": plan.tokens_per_device,
         "conversion_diff": diff,
         "ttt": tr.ttt_steps,

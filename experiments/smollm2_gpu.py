@@ -9,8 +9,10 @@ Stages (each resumes: a finished trial or stage is not redone):
          for `sweep_epochs`), `per_gpu` trials side by side on each GPU (a head this small leaves a GPU mostly
          idle), each evaluated against the real target (`python evaluate.py`, fp32 target, `sweep_prompts`
          prompts per set) beside n-gram lookup; table in <out>/sweep.md.
-- final: the settings of the best trial (mean over the sets of τ / n-gram τ) for `final_epochs`, evaluated the
-         same way on every prompt of each set (`final_prompts=0`: not here); <out>/final.md.
+- final: the settings of the best trial (mean over the sets of τ / n-gram τ; `final_trial=NAME` picks one of
+         TRIALS without a sweep) for `final_epochs`, evaluated the same way on every prompt of each set
+         (`final_prompts=0`: not here); the speculators package's head trained beside it on the same
+         micro-batches for as many optimizer steps; <out>/final.md.
 Settings travel as Hydra overrides, so every number in the tables can be rerun by hand.
 """
 
@@ -39,7 +41,7 @@ TRIALS: dict[str, list[str]] = {
     "noise0.05": ["trainer.feature_noise_std=0.05"],
 }
 OPTS = {"stages": "data,sweep,final", "out": "outputs/smollm2_gpu", "gpus": "", "per_gpu": "4",
-        "sweep_epochs": "1", "final_epochs": "6", "sweep_prompts": "10", "final_prompts": "all",
+        "sweep_epochs": "1", "final_epochs": "6", "sweep_prompts": "10", "final_prompts": "all", "final_trial": "",
         "trials": ",".join(TRIALS),
         "eval_device": "cuda", "extra": ""}  # fmt: skip
 # `extra`: overrides appended to every command, e.g. a CPU smoke run: extra="hardware=cpu dataset=default ...".
@@ -166,27 +168,21 @@ def main(argv: list[str]) -> None:
         (out / "sweep.md").write_text(table(results))
         print(table(results), f"sweep done ({time.time() - start:.0f} s)", flush=True)
     if "final" in stages:
-        sweep = json.loads((out / "sweep.json").read_text())
-        best_name, best = max(
-            ((n, r) for n, r in sweep.items() if "score" in r), key=lambda nr: nr[1]["score"]
-        )
+        overrides = final_overrides(out, opts["final_trial"])
         epochs = int(opts["final_epochs"])
         # "all": every prompt of each set; 0: no evaluation here (the record is evaluated on CPU later).
         final_prompts = None if opts["final_prompts"] == "all" else int(opts["final_prompts"])
         with ThreadPoolExecutor(2) as pool:
             final_job = pool.submit(
                 run_trials,
-                {"final": (out / "final", best["overrides"], epochs, final_prompts)},
+                {"final": (out / "final", overrides, epochs, final_prompts)},
                 gpus[:1],
                 1,
                 opts,
             )
             # The speculators package's head on the same shards, micro-batches and optimizer steps (its
             # lm_head frozen, its default), trained beside ours; evaluated later with eval.baseline_draft.
-            steps = sweep[best_name]["steps"] * epochs // sweep[best_name]["epochs"]
-            baseline = pool.submit(
-                train_speculators, out / "speculators", out / "trials" / best_name, steps, gpus[-1], opts
-            )
+            baseline = pool.submit(train_speculators, out / "speculators", overrides, epochs, gpus[-1], opts)
             final = final_job.result()
             final["speculators"] = baseline.result()
         (out / "final.json").write_text(json.dumps(final, indent=1))
@@ -194,25 +190,44 @@ def main(argv: list[str]) -> None:
         print(table(final), f"final done ({time.time() - start:.0f} s)", flush=True)
 
 
-def train_speculators(save: Path, trial: Path, steps: int, gpu: str, opts: dict[str, str]) -> dict:
-    """experiments/side_by_side_speculators.py with the trial's settings (K, vocab, decay) and `steps` steps."""
-    import yaml
+def final_overrides(out: Path, trial: str) -> list[str]:
+    """The final head's overrides: those of TRIALS[trial] if named, else of the sweep's best trial."""
+    if trial:
+        if trial not in TRIALS:
+            raise SystemExit(f"final_trial={trial!r} is not a trial; trials: {', '.join(TRIALS)}")
+        return TRIALS[trial]
+    sweep_file = out / "sweep.json"
+    if not sweep_file.exists():
+        raise SystemExit(f"{sweep_file} does not exist: run the sweep stage first, or name final_trial=base")
+    sweep = json.loads(sweep_file.read_text())
+    scored = [r for r in sweep.values() if "score" in r]
+    if not scored:
+        raise SystemExit(f"{sweep_file}: no trial was evaluated; rerun the sweep, or name final_trial=base")
+    return max(scored, key=lambda r: r["score"])["overrides"]
 
+
+def train_speculators(save: Path, overrides: list[str], epochs: int, gpu: str, opts: dict[str, str]) -> dict:
+    """experiments/side_by_side_speculators.py with the final head's settings for as many optimizer steps as
+    `epochs` epochs of train.py; its ttt= option takes the trial's K (the experiment's unless overridden)."""
     if (save / "speculators" / "config.json").exists():
         return {"saved": str(save / "speculators")}
-    trial_cfg = yaml.safe_load((trial / ".hydra" / "config.yaml").read_text())
-    tr, model = trial_cfg["trainer"], trial_cfg["model"]
+    ttt = next((o.partition("=")[2] for o in overrides if o.startswith("trainer.ttt_steps=")), None)
     cmd = [
         sys.executable, "-u", "experiments/side_by_side_speculators.py", "experiments=smollm2_gpu",
-        f"steps={steps}", f"ttt={tr['ttt_steps']}", "evaluate=0", f"save={save}",
-        f"model.draft_vocab_size={model['draft_vocab_size']}", f"trainer.step_loss_decay={tr['step_loss_decay']}",
-        f"trainer.lr={tr['lr']}", *opts["extra"].split(),
+        f"epochs={epochs}", f"ttt={ttt or _experiment_ttt()}", "evaluate=0", f"save={save}",
+        *[o for o in overrides if not o.startswith("trainer.ttt_steps=")], *opts["extra"].split(),
     ]  # fmt: skip
     try:
         sh(cmd, save / "log.txt", gpu)
     except subprocess.CalledProcessError as err:
         return {"failed": f"exit {err.returncode}; see {save / 'log.txt'}"}
-    return {"saved": str(save / "speculators"), "steps": steps}
+    return {"saved": str(save / "speculators"), "epochs": epochs}
+
+
+def _experiment_ttt() -> int:
+    import yaml
+
+    return yaml.safe_load((ROOT / "experiments" / "smollm2_gpu.yaml").read_text())["trainer"]["ttt_steps"]
 
 
 def _gpu_count() -> int:

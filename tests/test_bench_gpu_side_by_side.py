@@ -61,3 +61,17 @@ def test_batches_hold_documents_with_a_prompt_share_between_30_and_50_percent() 
     prompt = 1 - batch["loss_mask"].view(-1, opts.doc_tokens).float().mean(1)
     assert ((prompt >= 0.29) & (prompt <= 0.51)).all() and prompt.std() > 0
     assert torch.equal(batch["position_ids"].view(-1, opts.doc_tokens)[1], torch.arange(opts.doc_tokens))
+
+
+def test_profile_lists_the_busiest_kernels_of_a_variant(capsys) -> None:
+    opts = bench.parse(["--smoke", "--profile", "1", "--profile-rows", "3"])
+    device = torch.device("cpu")
+    shape = bench.SHAPES["tiny"]
+    batches = bench.make_batches(shape, opts, device, seed=0)
+    target = bench.make_target(shape, opts.draft_vocab, device)
+    row = bench.run_row("speculators", "tiny", 2, batches, target, opts, device)
+    assert not row.error
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("profile tiny K=2 speculators:"))
+    listed = lines[start + 1 : start + 4]
+    assert len(listed) == 3 and all(" ms " in line and "%" in line for line in listed)

@@ -25,6 +25,7 @@ from eaglet.plan.serving import predicted_speedup, serving_point
 from eaglet.plan.target_cost import expected_distinct_experts, forward_weight_bytes, ring_allreduce_seconds
 from eaglet.plan.training import (
     LOSS_BYTES_PER_LOGIT,
+    LOSS_BYTES_PER_LOGIT_COMPILED,
     TEACHER_BYTES_PER_LOGIT,
     HeadShape,
     attention_context,
@@ -177,6 +178,10 @@ def test_loss_bytes_per_token():
     assert loss_bytes_per_token(shape, loss_fraction=0.5) == pytest.approx(expected)
     trainable = dataclasses.replace(shape, lm_head_trainable=True)
     assert loss_bytes_per_token(trainable, loss_fraction=0.5) > expected  # it keeps the logit gradients
+    compiled = dataclasses.replace(shape, compiled_loss=True)  # one fused graph per chunk: fewer passes
+    assert loss_bytes_per_token(compiled, loss_fraction=0.5) == pytest.approx(
+        5 * 0.5 * (2 * LOSS_BYTES_PER_LOGIT_COMPILED + TEACHER_BYTES_PER_LOGIT)
+    )
 
 
 def test_attention_context():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -56,3 +57,25 @@ def test_unknown_option_is_named() -> None:
     cmd = [sys.executable, str(PROJECT_ROOT / "experiments" / "smollm2_gpu.py"), "epochs=3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown option 'epochs'" in proc.stderr
+
+
+def _driver_module():
+    spec = importlib.util.spec_from_file_location(
+        "smollm2_gpu", PROJECT_ROOT / "experiments" / "smollm2_gpu.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_final_settings_come_from_a_named_trial_or_the_sweep(tmp_path: Path) -> None:
+    recipe = _driver_module()
+    assert recipe.final_overrides(tmp_path, "ttt3") == ["trainer.ttt_steps=3"]
+    with pytest.raises(SystemExit, match="final_trial='nope' is not a trial"):
+        recipe.final_overrides(tmp_path, "nope")
+    with pytest.raises(SystemExit, match="run the sweep stage first, or name final_trial=base"):
+        recipe.final_overrides(tmp_path, "")
+    sweep = {"a": {"overrides": ["x=1"], "score": 0.8}, "b": {"overrides": ["x=2"], "score": 0.9},
+             "c": {"failed": "exit 1"}}  # fmt: skip
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    assert recipe.final_overrides(tmp_path, "") == ["x=2"]

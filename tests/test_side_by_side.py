@@ -18,7 +18,8 @@ from eaglet.errors import ConfigError
 from eaglet.extract.pipeline import TARGET_HEAD_FILE
 from eaglet.shards import build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.train.datamodule import ShardDataModule
-from eaglet.train.run import build_module
+from eaglet.train.hardware import plan_trainer
+from eaglet.train.run import build_module, optimizer_steps
 
 SCRIPT = PROJECT_ROOT / "experiments" / "side_by_side_speculators.py"
 TTT = 3
@@ -127,7 +128,8 @@ def test_script_trains_both_converts_and_reports(
 
 
 @pytest.mark.parametrize(
-    ("arg", "match"), [("steps=x", "integer"), ("ttt=0", ">= 1"), ("bogus", "key=value")]
+    ("arg", "match"),
+    [("steps=x", "integer"), ("ttt=0", ">= 1"), ("epochs=-1", ">= 0"), ("bogus", "key=value")],
 )
 def test_bad_options_are_refused(sbs, arg: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -137,3 +139,19 @@ def test_bad_options_are_refused(sbs, arg: str, match: str) -> None:
 def test_other_arguments_become_hydra_overrides(sbs) -> None:
     opts, overrides = sbs.parse_args(["steps=7", "model=tiny_llama", "shards=/x"])
     assert opts["steps"] == 7 and opts["shards"] == "/x" and overrides == ["model=tiny_llama"]
+
+
+def test_epochs_take_as_many_optimizer_steps_as_train_py(sbs, shards: Path, model_cache: Path) -> None:  # noqa: F811
+    opts, overrides = sbs.parse_args([*script_args(shards, model_cache), "epochs=2"])
+    cfg = sbs.compose_config(opts, overrides)
+    assert cfg.trainer.max_epochs == 2 and cfg.trainer.max_steps <= 0
+    plan = plan_trainer(cfg.hardware, cfg.trainer)
+    datamodule = ShardDataModule(
+        shards, plan.tokens_per_device, cfg.trainer.val_fraction, seed=0, num_workers=0
+    )
+    datamodule.setup()
+    per_epoch = datamodule.train_batches_per_rank(1) // plan.accumulate_grad_batches
+    assert per_epoch > 0 and optimizer_steps(cfg.trainer, datamodule, plan) == 2 * per_epoch
+    # A trainer.max_steps override still wins, as in train.py.
+    opts, overrides = sbs.parse_args([*script_args(shards, model_cache), "epochs=2", "trainer.max_steps=3"])
+    assert optimizer_steps(sbs.compose_config(opts, overrides).trainer, datamodule, plan) == 3

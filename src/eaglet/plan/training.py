@@ -21,7 +21,9 @@ the whole packed micro-batch (plan.calibration.training_attention says which).
 Memory traffic the FLOPs do not cover: the fused loss keeps each chunk's [tokens, V_d] logits in float32 and
 passes over them about LOSS_BYTES_PER_LOGIT bytes per logit per step (cast, max, log-sum-exp, the teacher's
 log-probabilities, exp, the gradient), the teacher about TEACHER_BYTES_PER_LOGIT once; counted from
-eaglet.train.kd_loss. Its share of a step does not shrink with the head's width (it weighs more on
+eaglet.train.kd_loss. With trainer.compile each chunk is one compiled graph: the bf16 logits written by the
+matmul and read by two reductions and a pointwise pass, the teacher rows read by all three, one bf16 gradient
+written (LOSS_BYTES_PER_LOGIT_COMPILED). Its share of a step does not shrink with the head's width (it weighs more on
 Llama-3.1-8B's H = 4096 than on Kimi-K2.5's 7168) and grows on low-bandwidth cards.
 
 The layer runs eager or through torch.compile (trainer.compile): each has its own calibrated efficiency.
@@ -49,6 +51,8 @@ GRADIENT_BYTES = 4  # bf16-mixed keeps fp32 parameters, so DDP reduces fp32 grad
 ATTENTION_MATMULS = 7  # scores and values forward; scores again, dV, dP, dQ, dK backward
 LOSS_BYTES_PER_LOGIT = 110  # per step and loss position, frozen lm_head
 LOSS_BYTES_PER_LOGIT_TRAINABLE = 116  # + the logit gradients kept for lm_head's weight gradient
+LOSS_BYTES_PER_LOGIT_COMPILED = 16  # 2 (write) + 3 x 2 (reads) logits, 3 x 2 teacher, 2 gradient
+LOSS_BYTES_PER_LOGIT_COMPILED_TRAINABLE = 20  # + the kept logit gradients gathered into one tensor
 TEACHER_BYTES_PER_LOGIT = 30  # once per loss position
 
 
@@ -63,6 +67,7 @@ class HeadShape:
     draft_vocab_size: int
     ttt_steps: int
     lm_head_trainable: bool
+    compiled_loss: bool = False  # trainer.compile: the fused loss's chunks run compiled
 
     @classmethod
     def of(cls, model: ModelConfig, trainer: TrainerConfig, draft_vocab_size: int | None = None) -> HeadShape:
@@ -74,6 +79,7 @@ class HeadShape:
             draft_vocab_size=draft_vocab_size or model.draft_vocab_size,
             ttt_steps=trainer.ttt_steps,
             lm_head_trainable=trainer.lm_head_trainable,
+            compiled_loss=trainer.compile,
         )
 
     @property
@@ -123,7 +129,14 @@ def training_flops_per_token(
 def loss_bytes_per_token(shape: HeadShape, *, loss_fraction: float) -> float:
     """Bytes the loss and the teacher move per packed token, outside the matmuls."""
     _check_steps(shape)
-    per_logit = LOSS_BYTES_PER_LOGIT_TRAINABLE if shape.lm_head_trainable else LOSS_BYTES_PER_LOGIT
+    if shape.compiled_loss:
+        per_logit = (
+            LOSS_BYTES_PER_LOGIT_COMPILED_TRAINABLE
+            if shape.lm_head_trainable
+            else LOSS_BYTES_PER_LOGIT_COMPILED
+        )
+    else:
+        per_logit = LOSS_BYTES_PER_LOGIT_TRAINABLE if shape.lm_head_trainable else LOSS_BYTES_PER_LOGIT
     return shape.draft_vocab_size * loss_fraction * (shape.ttt_steps * per_logit + TEACHER_BYTES_PER_LOGIT)
 
 

@@ -13,11 +13,14 @@ KL(p_teacher || q_draft) by the teacher's entropy, a constant of the data, so bo
 `linear_soft_cross_entropy` fuses the draft's lm_head with it, chunk by chunk: the [N, V_d] logits live one
 chunk at a time and their gradient is folded into the hidden states' gradient during the forward, so only
 [N, H] is kept for the backward (plus the logit gradient in the compute dtype when lm_head trains).
+With `compiled`, each chunk's softmax, loss, argmax and logit gradient run as one torch.compile graph: a few
+fused passes over the [chunk, V_d] logits instead of a dozen eager element-wise kernels.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -92,12 +95,30 @@ def soft_cross_entropy(teacher_log_probs: Tensor, draft_logits: Tensor) -> Tenso
     return -(teacher_log_probs.exp() * log_q).sum(dim=-1)
 
 
+def _chunk_terms(
+    logits: Tensor, teacher_logits: Tensor, teacher_lse: Tensor, rows: Tensor, grad_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk, written for torch.compile: (sum of soft CE, draft argmax, d CE / d logits in grad_dtype)."""
+    acc = teacher_lse.dtype
+    z = logits.to(acc)
+    log_q = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    p = (teacher_logits[rows].to(acc) - teacher_lse[rows, None]).exp()
+    grad = log_q.exp() * p.sum(-1, keepdim=True) - p
+    return -(p * log_q).sum(), z.max(dim=-1).indices, grad.to(grad_dtype)
+
+
+@cache
+def _compiled_chunk_terms() -> Any:
+    # Chunks and row sets change size from batch to batch: dynamic shapes, one graph.
+    return torch.compile(_chunk_terms, dynamic=True)
+
+
 class _LinearSoftCrossEntropy(torch.autograd.Function):
     """sum_i CE(teacher row rows[i], hidden[i] @ weight.T) and the draft argmax per row; see the module doc."""
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: Tensor, weight: Tensor, teacher: Teacher, rows: Tensor, chunk: int
+        ctx: Any, hidden: Tensor, weight: Tensor, teacher: Teacher, rows: Tensor, chunk: int, compiled: bool
     ) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(hidden.dtype, torch.float32)
         n = hidden.shape[0]
@@ -108,6 +129,15 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         logit_grads = []
         for start in range(0, n, chunk):
             h, r = hidden[start : start + chunk], rows[start : start + chunk]
+            if compiled:
+                loss, argmax[start : start + chunk], grad = _compiled_chunk_terms()(
+                    h @ weight.T, teacher.logits, teacher.logsumexp, r, hidden.dtype
+                )
+                total += loss
+                grad_hidden[start : start + chunk] = grad @ weight
+                if keep_logit_grads:
+                    logit_grads.append(grad)
+                continue
             grad = (h @ weight.T).to(acc)  # logits, then log q, then q, then d CE / d logits: one buffer
             argmax[start : start + chunk] = grad.max(dim=-1).indices
             grad -= torch.logsumexp(grad, dim=-1, keepdim=True)
@@ -133,18 +163,25 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         if logit_grads:
             grad_logits, hidden = logit_grads
             grad_weight = (grad_logits.T @ hidden) * scale
-        return grad_hidden * scale, grad_weight, None, None, None
+        return grad_hidden * scale, grad_weight, None, None, None, None
 
 
 def linear_soft_cross_entropy(
-    hidden: Tensor, weight: Tensor, teacher: Teacher, rows: Tensor, *, chunk_tokens: int
+    hidden: Tensor,
+    weight: Tensor,
+    teacher: Teacher,
+    rows: Tensor,
+    *,
+    chunk_tokens: int,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(sum over i of the soft CE of logits hidden[i] @ weight.T against teacher row rows[i], argmax [N]).
 
     hidden [N, H] and weight [V_d, H] must share a dtype (the compute dtype: cast them first under autocast);
     the logits' softmax runs in float32 or wider. Equals soft_cross_entropy(teacher.log_probs(rows),
-    hidden @ weight.T).sum() in value and gradients, without holding [N, V_d] logits.
+    hidden @ weight.T).sum() in value and gradients, without holding [N, V_d] logits. `compiled`: each chunk's
+    element-wise work through torch.compile (same values up to float rounding).
     """
     if chunk_tokens < 1:
         raise ConfigError(f"trainer.loss_chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _LinearSoftCrossEntropy.apply(hidden, weight, teacher, rows, chunk_tokens)
+    return _LinearSoftCrossEntropy.apply(hidden, weight, teacher, rows, chunk_tokens, compiled)

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from eaglet.config.schema import DraftConfig, EagletConfig
+from eaglet.config.schema import DraftConfig, EagletConfig, TrainerConfig
 from eaglet.errors import ConfigError, DataError
 from eaglet.export.eagle import export_eagle
 from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
@@ -20,7 +20,7 @@ from eaglet.fsutil import atomic_write_json
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.target.capture import resolve_aux_layer_ids
 from eaglet.train.datamodule import ShardDataModule
-from eaglet.train.hardware import check_machine, plan_trainer
+from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.strategy import build_strategy
 from eaglet.train.tracking import finish_wandb, make_loggers
@@ -67,6 +67,14 @@ def check_manifest(cfg: EagletConfig, manifest: Manifest, directory: Path) -> No
             f"model.draft.hidden_size={cfg.model.draft.hidden_size} must equal the target's hidden size "
             f"{cfg.model.hidden_size}: the head reuses the target's embeddings and lm_head rows"
         )
+
+
+def optimizer_steps(tr: TrainerConfig, datamodule: ShardDataModule, plan: TrainerPlan) -> int:
+    """The run's optimizer steps: trainer.max_steps if set, else max_epochs x the steps of one epoch per rank."""
+    if tr.max_steps > 0:
+        return tr.max_steps
+    micro_batches = datamodule.train_batches_per_rank(plan.world_size)
+    return tr.max_epochs * max(1, micro_batches // plan.accumulate_grad_batches)
 
 
 def build_module(cfg: EagletConfig, manifest: Manifest, total_steps: int) -> DraftHeadModule:
@@ -142,8 +150,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     )
     datamodule.setup()
     micro_batches = datamodule.train_batches_per_rank(plan.world_size)
-    steps_per_epoch = max(1, micro_batches // plan.accumulate_grad_batches)
-    total_steps = tr.max_steps if tr.max_steps > 0 else tr.max_epochs * steps_per_epoch
+    total_steps = optimizer_steps(tr, datamodule, plan)
 
     module = build_module(cfg, manifest, total_steps)
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)

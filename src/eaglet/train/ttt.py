@@ -30,7 +30,7 @@ Work is skipped where it cannot matter, with the same values and gradients:
 Attention (`attention`): "flex" (block-sparse flex_attention, `eaglet.model.ttt_flex`; CUDA), "sdpa" (masked
 SDPA with selector keys, `eaglet.model.attention`; CPU), "auto" picks by device and head size
 (`select_attention`). `compile` runs the layer's pieces (norms + projections + RoPE, o_proj + MLP) through
-torch.compile: fused element-wise work.
+torch.compile, and each loss chunk's softmax, loss and logit gradient too: fused element-wise work.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def ttt_forward(
         if fused:
             normed = head.norm(hidden[slot[weighted]]).to(dtype)
             ce, argmax = linear_soft_cross_entropy(
-                normed, lm_weight, teacher, teacher_rows, chunk_tokens=chunk_tokens
+                normed, lm_weight, teacher, teacher_rows, chunk_tokens=chunk_tokens, compiled=compile
             )
         else:
             logits = head.logits(hidden[slot[weighted]])
