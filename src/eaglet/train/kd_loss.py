@@ -98,7 +98,21 @@ def soft_cross_entropy(teacher_log_probs: Tensor, draft_logits: Tensor) -> Tenso
 def _chunk_terms(
     logits: Tensor, teacher_logits: Tensor, teacher_lse: Tensor, rows: Tensor, grad_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk, written for torch.compile: (sum of soft CE, draft argmax, d CE / d logits in grad_dtype)."""
+    """One chunk, eager: (sum of soft CE, draft argmax, d CE / d logits in grad_dtype), in one float buffer."""
+    grad = logits.to(teacher_lse.dtype)  # logits, then log q, then q, then d CE / d logits: one buffer
+    argmax = grad.max(dim=-1).indices
+    grad -= torch.logsumexp(grad, dim=-1, keepdim=True)
+    p = (teacher_logits[rows].to(teacher_lse.dtype) - teacher_lse[rows, None]).exp_()
+    loss = -torch.linalg.vecdot(p, grad).sum()
+    # d/dz of -sum_v p_v log softmax(z)_v = softmax(z) * sum_v p_v - p (sum_v p_v = 1 up to rounding).
+    grad = grad.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).to(grad_dtype)
+    return loss, argmax, grad
+
+
+def _chunk_terms_for_compile(
+    logits: Tensor, teacher_logits: Tensor, teacher_lse: Tensor, rows: Tensor, grad_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """_chunk_terms written out of place, for torch.compile to fuse into a few passes."""
     acc = teacher_lse.dtype
     z = logits.to(acc)
     log_q = z - torch.logsumexp(z, dim=-1, keepdim=True)
@@ -110,7 +124,7 @@ def _chunk_terms(
 @cache
 def _compiled_chunk_terms() -> Any:
     # Chunks and row sets change size from batch to batch: dynamic shapes, one graph.
-    return torch.compile(_chunk_terms, dynamic=True)
+    return torch.compile(_chunk_terms_for_compile, dynamic=True)
 
 
 class _LinearSoftCrossEntropy(torch.autograd.Function):
@@ -127,24 +141,13 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         keep_logit_grads = ctx.needs_input_grad[1]
         logit_grads = []
+        chunk_terms = _compiled_chunk_terms() if compiled else _chunk_terms
         for start in range(0, n, chunk):
             h, r = hidden[start : start + chunk], rows[start : start + chunk]
-            if compiled:
-                loss, argmax[start : start + chunk], grad = _compiled_chunk_terms()(
-                    h @ weight.T, teacher.logits, teacher.logsumexp, r, hidden.dtype
-                )
-                total += loss
-                grad_hidden[start : start + chunk] = grad @ weight
-                if keep_logit_grads:
-                    logit_grads.append(grad)
-                continue
-            grad = (h @ weight.T).to(acc)  # logits, then log q, then q, then d CE / d logits: one buffer
-            argmax[start : start + chunk] = grad.max(dim=-1).indices
-            grad -= torch.logsumexp(grad, dim=-1, keepdim=True)
-            p = teacher.log_probs(r).exp_()
-            total -= torch.linalg.vecdot(p, grad).sum()
-            # d/dz of -sum_v p_v log softmax(z)_v = softmax(z) * sum_v p_v - p (sum_v p_v = 1 up to rounding).
-            grad = grad.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).to(hidden.dtype)
+            loss, argmax[start : start + chunk], grad = chunk_terms(
+                h @ weight.T, teacher.logits, teacher.logsumexp, r, hidden.dtype
+            )
+            total += loss
             grad_hidden[start : start + chunk] = grad @ weight
             if keep_logit_grads:
                 logit_grads.append(grad)
