@@ -25,7 +25,7 @@ Training runs on the hardware config's device (a GPU: bf16 autocast for both, sp
 CPU: fp32, eager attention for speculators), evaluation on `eval.device`. The trained speculators model is converted into an `Eagle3DraftHead` (the inverse name
 mapping), checked against its own forward (logits of every TTT step on one micro-batch), and both heads are
 evaluated by real speculative decoding against the target (`evaluate_prompts`), beside n-gram lookup, with
-K = ttt, on the default prompt sets (`prompts` per set, prompts seen in training dropped). The table is printed
+K = trainer.ttt_steps, on the default prompt sets (`prompts` per set, prompts seen in training dropped). The table is printed
 and appended to experiments/BENCHMARKS.md.
 """
 
@@ -74,8 +74,9 @@ from eaglet.train.module import DraftHeadModule
 from eaglet.train.run import build_module, check_manifest, optimizer_steps
 
 BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
-OPTS: dict[str, Any] = {"shards": None, "steps": 96, "epochs": 0, "ttt": 3, "prompts": 5, "max_new_tokens": 64,
+OPTS: dict[str, Any] = {"shards": None, "steps": 96, "epochs": 0, "ttt": None, "prompts": 5, "max_new_tokens": 64,
                         "evaluate": 1, "save": None}  # fmt: skip
+# `ttt=K` sets K for both heads (and the evaluation's draft length); left out, the composed trainer.ttt_steps.
 # `epochs=N` (N > 0) replaces `steps`: the optimizer steps `python train.py trainer.max_epochs=N` takes on these shards.
 # `save=DIR` writes both trained heads in the EAGLE format (DIR/eaglet, DIR/speculators); `evaluate=0` skips the
 # evaluation (e.g. train on a GPU machine, evaluate elsewhere with evaluate.py eval.baseline_draft=DIR/speculators).
@@ -121,7 +122,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 def compose_config(opts: dict[str, Any], overrides: list[str]) -> DictConfig:
     """The composed config of the entry points, with this comparison's settings applied last (they win)."""
     forced = [
-        f"trainer.ttt_steps={opts['ttt']}",
+        *([f"trainer.ttt_steps={opts['ttt']}"] if opts["ttt"] is not None else []),
         # epochs: as train.py counts them (a trainer.max_steps override still wins, as there)
         (
             f"trainer.max_epochs={opts['epochs']}"
@@ -130,7 +131,6 @@ def compose_config(opts: dict[str, Any], overrides: list[str]) -> DictConfig:
         ),
         "trainer.lm_head_trainable=false",
         "trainer.mask_outside_draft_vocab=false",  # speculators trains on every loss-masked position
-        f"eval.num_spec_tokens={opts['ttt']}",
         f"eval.prompts_per_set={opts['prompts']}",
         f"eval.max_new_tokens={opts['max_new_tokens']}",
     ]
@@ -138,9 +138,13 @@ def compose_config(opts: dict[str, Any], overrides: list[str]) -> DictConfig:
         forced.append(f"extract.output_dir={Path(opts['shards']).resolve()}")
     try:
         with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-            return hydra.compose("config", overrides=[*overrides, *forced])
+            cfg = hydra.compose("config", overrides=[*overrides, *forced])
     finally:
         GlobalHydra.instance().clear()
+    cfg.eval.num_spec_tokens = (
+        cfg.trainer.ttt_steps
+    )  # the heads draft as many tokens as they were unrolled for
+    return cfg
 
 
 def build_speculators(

@@ -207,27 +207,19 @@ def final_overrides(out: Path, trial: str) -> list[str]:
 
 
 def train_speculators(save: Path, overrides: list[str], epochs: int, gpu: str, opts: dict[str, str]) -> dict:
-    """experiments/side_by_side_speculators.py with the final head's settings for as many optimizer steps as
-    `epochs` epochs of train.py; its ttt= option takes the trial's K (the experiment's unless overridden)."""
+    """experiments/side_by_side_speculators.py with the final head's settings (K included) for as many optimizer
+    steps as `epochs` epochs of train.py."""
     if (save / "speculators" / "config.json").exists():
         return {"saved": str(save / "speculators")}
-    ttt = next((o.partition("=")[2] for o in overrides if o.startswith("trainer.ttt_steps=")), None)
     cmd = [
         sys.executable, "-u", "experiments/side_by_side_speculators.py", "experiments=smollm2_gpu",
-        f"epochs={epochs}", f"ttt={ttt or _experiment_ttt()}", "evaluate=0", f"save={save}",
-        *[o for o in overrides if not o.startswith("trainer.ttt_steps=")], *opts["extra"].split(),
+        f"epochs={epochs}", "evaluate=0", f"save={save}", *overrides, *opts["extra"].split(),
     ]  # fmt: skip
     try:
         sh(cmd, save / "log.txt", gpu)
     except subprocess.CalledProcessError as err:
         return {"failed": f"exit {err.returncode}; see {save / 'log.txt'}"}
     return {"saved": str(save / "speculators"), "epochs": epochs}
-
-
-def _experiment_ttt() -> int:
-    import yaml
-
-    return yaml.safe_load((ROOT / "experiments" / "smollm2_gpu.yaml").read_text())["trainer"]["ttt_steps"]
 
 
 def _gpu_count() -> int:
