@@ -52,3 +52,15 @@ def test_compiled_chunks_keep_the_compute_dtype_of_the_gradient() -> None:
     assert compiled.dtype == torch.float32 and grad_compiled.dtype == torch.bfloat16
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_compiled, grad_eager, rtol=2e-2, atol=2e-2)
+
+
+def test_no_rows_give_a_zero_loss_and_zero_gradients() -> None:
+    """A TTT step with no positions left (every document shorter than the step) still trains the others."""
+    g = torch.Generator().manual_seed(2)
+    teacher = _teacher(5, 12, g)
+    hidden = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(12, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    loss, argmax = linear_soft_cross_entropy(hidden, weight, teacher, torch.zeros(0, dtype=torch.long), chunk_tokens=4)
+    loss.backward()
+    assert loss.item() == 0.0 and argmax.shape == (0,)
+    assert hidden.grad.shape == (0, 4) and torch.equal(weight.grad, torch.zeros_like(weight))

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import eaglet.model.ttt_flex as ttt_flex
+import eaglet.train.kd_loss as kd_loss_module
+import eaglet.train.ttt as ttt_module
 from eaglet.config.schema import DraftConfig
 from eaglet.errors import ConfigError
 from eaglet.model.draft_head import Eagle3DraftHead
@@ -306,6 +308,13 @@ def test_fused_loss_matches_naive_reference(steps, mask_outside, lm_head_trainab
     )
 
 
+
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_steps_past_every_document_match_naive_reference(fused_loss) -> None:
+    """K=5 over documents of 3-4 tokens: the last steps have no positions left; they add nothing, the rest trains."""
+    out = _compare((4, 3, 4), 5, 0.8, False, seed=4, fused_loss=fused_loss)
+    assert out.step_counts[0] > 0 and out.step_counts[-1] == 0
+
 @pytest.mark.parametrize("fused_loss", [False, True])
 def test_teacher_restricted_to_the_draft_vocab_matches_naive_reference(fused_loss) -> None:
     """Accuracies against the best draft-vocab token: the teacher never multiplies by the other rows."""
@@ -453,3 +462,41 @@ def test_cuda_flex_refuses_a_head_below_its_kernels_minimum() -> None:
 def test_compiled_layer_matches_naive_reference() -> None:
     """compile=True: the layer's pieces through torch.compile (inductor's CPU backend here), same values."""
     _compare((9, 5, 7), 3, 0.8, False, seed=3, prompt=0.3, compile=True, fused_loss=True)
+
+
+
+@pytest.fixture
+def eager_backend_compile(monkeypatch):
+    """torch.compile with the eager backend: dynamo traces, caches and guards as usual, without inductor's codegen."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
+    for cached in (ttt_module._compiled, kd_loss_module._compiled_chunk_terms):
+        cached.cache_clear()
+    torch._dynamo.reset()
+    yield
+    monkeypatch.undo()
+    for cached in (ttt_module._compiled, kd_loss_module._compiled_chunk_terms):
+        cached.cache_clear()
+    torch._dynamo.reset()
+
+
+def test_compiled_pieces_stay_within_the_recompile_limit(eager_backend_compile) -> None:
+    """Batches of new sizes, then no-grad (validation) passes, at K=5: every piece keeps its own compile cache, so
+    none reaches torch.compile's recompile limit (with one cache shared by the pieces, this sequence did)."""
+    gen = torch.Generator().manual_seed(5)
+    target = _target(gen)
+    head = _head(target, gen, False, True)
+
+    def forward(lengths: tuple[int, ...]):
+        return ttt_forward(
+            head, _pack(_documents(lengths, gen, 0.3)), target_norm_weight=target["norm"], target_norm_eps=EPS,
+            target_lm_head=target["lm_head"], ttt_steps=5, step_loss_decay=0.8, chunk_tokens=4, compile=True,
+            fused_loss=True,
+        )  # fmt: skip
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for lengths in [(9, 8, 7), (10, 11), (12, 8, 10, 9)]:
+            forward(lengths).loss.backward()
+        with torch.no_grad():
+            forward((10, 9))
+            forward((8, 13, 9))

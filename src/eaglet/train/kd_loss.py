@@ -153,7 +153,9 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
                 logit_grads.append(grad)
         ctx.mark_non_differentiable(argmax)
         if keep_logit_grads:
-            ctx.save_for_backward(grad_hidden, torch.cat(logit_grads), hidden)
+            # No rows (a TTT step past the end of every document): an empty gradient, a zero weight gradient.
+            grads = torch.cat(logit_grads) if logit_grads else hidden.new_zeros(0, weight.shape[0])
+            ctx.save_for_backward(grad_hidden, grads, hidden)
         else:
             ctx.save_for_backward(grad_hidden)
         return total, argmax

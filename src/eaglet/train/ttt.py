@@ -149,17 +149,25 @@ def _finish(layer: Eagle3DecoderLayer, residual: Tensor, attention: Tensor) -> T
     return layer.finish(residual, attention)
 
 
-def _with_weights(body: Callable[..., Any]) -> Callable[..., Any]:
-    """body(layer, *args) with the layer's parameters replaced by `weights` (cast once per row).
+# Each piece runs its body with the layer's parameters replaced by `weights` (cast once per row). Under autocast,
+# eager linears share one cached bf16 copy of each weight; compiled graphs cast inside the graph and would keep a
+# copy per call (per step) for the backward. Casting once, outside, keeps one.
+# Four functions, not one closure: torch.compile keys its cache (and its recompile limit of 8) by code object, and
+# one shared closure made the four pieces share it; at K=5 the limit was hit and later shapes ran eagerly.
+def _context_piece(layer: Eagle3DecoderLayer, weights: dict[str, Tensor], *args: Tensor) -> Any:
+    return functional_call(layer, weights, args, {"run": _context_projections})
 
-    Under autocast, eager linears share one cached bf16 copy of each weight; compiled graphs cast inside the
-    graph and would keep a copy per call (per step) for the backward. Casting once, outside, keeps one.
-    """
 
-    def piece(layer: Eagle3DecoderLayer, weights: dict[str, Tensor], *args: Tensor) -> Any:
-        return functional_call(layer, weights, args, {"run": body})
+def _step_piece(layer: Eagle3DecoderLayer, weights: dict[str, Tensor], *args: Tensor) -> Any:
+    return functional_call(layer, weights, args, {"run": _step_projections})
 
-    return piece
+
+def _query_piece(layer: Eagle3DecoderLayer, weights: dict[str, Tensor], *args: Tensor) -> Any:
+    return functional_call(layer, weights, args, {"run": _query_projection})
+
+
+def _finish_piece(layer: Eagle3DecoderLayer, weights: dict[str, Tensor], *args: Tensor) -> Any:
+    return functional_call(layer, weights, args, {"run": _finish})
 
 
 @dataclass(frozen=True)
@@ -170,15 +178,15 @@ class _LayerPieces:
     finish: Callable[..., Tensor]
 
 
-_BODIES = (_context_projections, _step_projections, _query_projection, _finish)
-_EAGER = _LayerPieces(*(_with_weights(body) for body in _BODIES))
+_PIECES = (_context_piece, _step_piece, _query_piece, _finish_piece)
+_EAGER = _LayerPieces(*_PIECES)
 
 
 @cache
 def _compiled() -> _LayerPieces:
     # Each piece keeps its shapes across the steps of a row (step 0's at every position, the others at the
     # rows), so one graph each; the row count varies per batch: automatic dynamic shapes after one recompile.
-    return _LayerPieces(*(torch.compile(_with_weights(body)) for body in _BODIES))
+    return _LayerPieces(*(torch.compile(piece) for piece in _PIECES))
 
 
 def _compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
