@@ -60,7 +60,9 @@ def test_no_rows_give_a_zero_loss_and_zero_gradients() -> None:
     teacher = _teacher(5, 12, g)
     hidden = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(12, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    loss, argmax = linear_soft_cross_entropy(hidden, weight, teacher, torch.zeros(0, dtype=torch.long), chunk_tokens=4)
+    loss, argmax = linear_soft_cross_entropy(
+        hidden, weight, teacher, torch.zeros(0, dtype=torch.long), chunk_tokens=4
+    )
     loss.backward()
     assert loss.item() == 0.0 and argmax.shape == (0,)
     assert hidden.grad.shape == (0, 4) and torch.equal(weight.grad, torch.zeros_like(weight))

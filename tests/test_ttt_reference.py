@@ -308,12 +308,12 @@ def test_fused_loss_matches_naive_reference(steps, mask_outside, lm_head_trainab
     )
 
 
-
 @pytest.mark.parametrize("fused_loss", [False, True])
 def test_steps_past_every_document_match_naive_reference(fused_loss) -> None:
     """K=5 over documents of 3-4 tokens: the last steps have no positions left; they add nothing, the rest trains."""
     out = _compare((4, 3, 4), 5, 0.8, False, seed=4, fused_loss=fused_loss)
     assert out.step_counts[0] > 0 and out.step_counts[-1] == 0
+
 
 @pytest.mark.parametrize("fused_loss", [False, True])
 def test_teacher_restricted_to_the_draft_vocab_matches_naive_reference(fused_loss) -> None:
@@ -462,7 +462,6 @@ def test_cuda_flex_refuses_a_head_below_its_kernels_minimum() -> None:
 def test_compiled_layer_matches_naive_reference() -> None:
     """compile=True: the layer's pieces through torch.compile (inductor's CPU backend here), same values."""
     _compare((9, 5, 7), 3, 0.8, False, seed=3, prompt=0.3, compile=True, fused_loss=True)
-
 
 
 @pytest.fixture
