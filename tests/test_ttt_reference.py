@@ -467,16 +467,18 @@ def test_compiled_layer_matches_naive_reference() -> None:
 @pytest.fixture
 def eager_backend_compile(monkeypatch):
     """torch.compile with the eager backend: dynamo traces, caches and guards as usual, without inductor's codegen."""
+
+    def forget_compiled() -> None:
+        for cached in (ttt_module._compiled, kd_loss_module._compiled_chunk_terms):
+            cached.cache_clear()
+        torch._dynamo.reset()
+
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
-    for cached in (ttt_module._compiled, kd_loss_module._compiled_chunk_terms):
-        cached.cache_clear()
-    torch._dynamo.reset()
+    forget_compiled()
     yield
-    monkeypatch.undo()
-    for cached in (ttt_module._compiled, kd_loss_module._compiled_chunk_terms):
-        cached.cache_clear()
-    torch._dynamo.reset()
+    monkeypatch.undo()  # before forgetting: later tests compile with inductor again
+    forget_compiled()
 
 
 def test_compiled_pieces_stay_within_the_recompile_limit(eager_backend_compile) -> None:
