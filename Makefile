@@ -45,20 +45,20 @@ test-fast: setup  ## unit tests only
 	$(BIN)/python -m pytest -q -m "not e2e" $(ARGS)
 
 lint: setup  ## ruff
-	$(BIN)/ruff check src tests *.py experiments
-	$(BIN)/ruff format --check src tests *.py experiments
+	$(BIN)/ruff check src tests *.py benchmarks recipes
+	$(BIN)/ruff format --check src tests *.py benchmarks recipes
 
 bench: setup  ## CPU benchmarks (extraction, training); rows are appended to experiments/BENCHMARKS.md
-	$(BIN)/python experiments/bench_extract.py bench.tokens=8192 bench.batch_tokens=4096 bench.repeats=1 bench.max_len=1024
-	$(BIN)/python experiments/bench_train.py shapes=smollm2_135m ttt=3,7 draft_vocab=2048 batch_tokens=2048 \
+	$(BIN)/python benchmarks/bench_extract.py bench.tokens=8192 bench.batch_tokens=4096 bench.repeats=1 bench.max_len=1024
+	$(BIN)/python benchmarks/bench_train.py shapes=smollm2_135m ttt=3,7 draft_vocab=2048 batch_tokens=2048 \
 		doc_tokens=512 docs=8 steps=6 warmup=2
 
 bench-gpu:  ## GPU benchmarks at Llama-3.1-8B and Kimi-K2.5 shapes (random weights; needs a CUDA GPU)
-	python experiments/bench_extract.py model=llama3_1_8b model.source=random bench.batch_tokens=65536 \
+	python benchmarks/bench_extract.py model=llama3_1_8b model.source=random bench.batch_tokens=65536 \
 		bench.tokens=262144 bench.min_len=512 bench.max_len=4096
-	python experiments/bench_train.py shapes=llama3_1_8b,kimi_k2_5 ttt=3,7
+	python benchmarks/bench_train.py shapes=llama3_1_8b,kimi_k2_5 ttt=3,7
 	# eaglet against speculators' Eagle3 model in one process (needs speculators and its imports; see the script)
-	python experiments/bench_gpu_side_by_side.py
+	python benchmarks/bench_gpu_side_by_side.py
 
 clean:  ## remove outputs and caches (keeps data/ and .venv)
 	rm -rf outputs .pytest_cache .ruff_cache

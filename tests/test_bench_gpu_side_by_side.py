@@ -1,4 +1,4 @@
-"""experiments/bench_gpu_side_by_side.py: its CPU smoke mode end to end, and a failing variant's row."""
+"""benchmarks/bench_gpu_side_by_side.py: its CPU smoke mode end to end, and a failing variant's row."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_gpu_side_by_side as bench  # noqa: E402
 
@@ -20,7 +20,7 @@ import bench_gpu_side_by_side as bench  # noqa: E402
 def test_smoke_run_prints_and_records_every_table(tmp_path: Path) -> None:
     bench_file = tmp_path / "BENCH.md"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "bench_gpu_side_by_side.py"), "--smoke", "--check",
+        [sys.executable, str(ROOT / "benchmarks" / "bench_gpu_side_by_side.py"), "--smoke", "--check",
          "--bench-file", str(bench_file), "--data-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"},
     )  # fmt: skip

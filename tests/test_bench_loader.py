@@ -1,4 +1,4 @@
-"""experiments/bench_loader.py: a tiny run measures every loader setting and records its table."""
+"""benchmarks/bench_loader.py: a tiny run measures every loader setting and records its table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_loader  # noqa: E402
 

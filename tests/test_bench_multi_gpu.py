@@ -1,4 +1,4 @@
-"""experiments/bench_multi_gpu.py on CPU: one process and DDP over gloo, same losses, rows for every run."""
+"""benchmarks/bench_multi_gpu.py on CPU: one process and DDP over gloo, same losses, rows for every run."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from eaglet.config import PROJECT_ROOT
 @pytest.mark.e2e
 def test_one_device_and_ddp_rows_with_equal_losses() -> None:
     cmd = [
-        sys.executable, str(PROJECT_ROOT / "experiments" / "bench_multi_gpu.py"), "model=tiny_llama", "hardware=cpu",
+        sys.executable, str(PROJECT_ROOT / "benchmarks" / "bench_multi_gpu.py"), "model=tiny_llama", "hardware=cpu",
         "devices=2", "strategies=ddp,fsdp", "steps=4", "warmup=1", "docs=20", "doc_tokens=256", "draft_vocab=64",
         "append=0", "run_timeout=300",
     ]  # fmt: skip

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import eaglet.config
 from eaglet.config.schema import ModelConfig
 from eaglet.errors import ConfigError
-from eaglet.target import (
+from eaglet.target_model import (
     HiddenStateCapture,
     TargetParts,
     capture_hidden_states,

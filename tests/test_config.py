@@ -111,7 +111,7 @@ def test_typo_in_a_config_file_is_an_error(tmp_path) -> None:
     ("model", "ids"), [("smollm2_135m", [2, 15, 27]), ("llama3_1_8b", [2, 16, 29]), ("kimi_k2", [2, 30, 58])]
 )
 def test_default_aux_layer_ids(compose, model: str, ids: list[int]) -> None:
-    from eaglet.target import resolve_aux_layer_ids
+    from eaglet.target_model import resolve_aux_layer_ids
 
     assert resolve_aux_layer_ids(compose(f"model={model}").model) == ids
 

@@ -30,7 +30,7 @@ from eaglet.evaluate import (
 from eaglet.export.eagle import export_eagle
 from eaglet.generation import decode_batch
 from eaglet.model.draft_head import Eagle3DraftHead
-from eaglet.target import capture_hidden_states, load_target, resolve_aux_layer_ids
+from eaglet.target_model import capture_hidden_states, load_target, resolve_aux_layer_ids
 from eaglet.train.ttt import ttt_forward
 
 NEW_TOKENS = 24

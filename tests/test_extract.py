@@ -20,7 +20,7 @@ from eaglet.config import PROJECT_ROOT
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.pipeline import TARGET_HEAD_FILE, run_extraction
 from eaglet.shards import ShardReader, load_token_counts, read_manifest
-from eaglet.target import load_target
+from eaglet.target_model import load_target
 
 SHARED = PROJECT_ROOT.parent / "shared" / "data"
 

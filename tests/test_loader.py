@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 import eaglet.config
 from eaglet.config.schema import ModelConfig
 from eaglet.errors import ConfigError
-from eaglet.target import (
+from eaglet.target_model import (
     capture_hidden_states,
     config_hash,
     load_target,

@@ -427,7 +427,7 @@ def test_cli_bad_input_is_one_line(tmp_path: Path, overrides: list[str], message
 @pytest.mark.e2e
 def test_check_planner_meets_its_goal():
     """The calibration constants match their benchmark rows, and the held-out rows are predicted within ±25%."""
-    command = [sys.executable, str(ROOT / "experiments" / "check_planner.py"), "append=0"]
+    command = [sys.executable, str(ROOT / "benchmarks" / "check_planner.py"), "append=0"]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "within ±25%: yes" in proc.stdout and "OUT OF STEP" not in proc.stdout

@@ -1,4 +1,4 @@
-"""experiments/smollm2_gpu.py end to end on CPU at toy size: data, sweep, final and the speculators baseline."""
+"""recipes/smollm2_gpu.py end to end on CPU at toy size: data, sweep, final and the speculators baseline."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def driver(out: Path, cache: Path, *options: str) -> subprocess.CompletedProcess
         "eval.prompts_per_set=1 eval.max_new_tokens=8 eval.sets=[math] model.draft_vocab_size=64 "
         "extract.regenerate.import_from=null"
     )
-    cmd = [sys.executable, str(PROJECT_ROOT / "experiments" / "smollm2_gpu.py"), f"out={out}", "eval_device=cpu",
+    cmd = [sys.executable, str(PROJECT_ROOT / "recipes" / "smollm2_gpu.py"), f"out={out}", "eval_device=cpu",
            "per_gpu=2", "sweep_prompts=1", "final_epochs=1", f"extra={tiny}", *options]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -54,14 +54,14 @@ def test_recipe_runs_every_stage_and_resumes(tmp_path: Path, model_cache: Path) 
 
 
 def test_unknown_option_is_named() -> None:
-    cmd = [sys.executable, str(PROJECT_ROOT / "experiments" / "smollm2_gpu.py"), "epochs=3"]
+    cmd = [sys.executable, str(PROJECT_ROOT / "recipes" / "smollm2_gpu.py"), "epochs=3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown option 'epochs'" in proc.stderr
 
 
 def _driver_module():
     spec = importlib.util.spec_from_file_location(
-        "smollm2_gpu", PROJECT_ROOT / "experiments" / "smollm2_gpu.py"
+        "smollm2_gpu", PROJECT_ROOT / "recipes" / "smollm2_gpu.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

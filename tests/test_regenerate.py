@@ -13,7 +13,7 @@ from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.errors import DataError
-from eaglet.target import load_target
+from eaglet.target_model import load_target
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from eaglet.data.conversations import Conversation, Turn, load_conversations
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerate_endpoint import EndpointError, endpoint_output_path, regenerate_via_endpoint
 from eaglet.errors import ConfigError
-from eaglet.target import load_target
+from eaglet.target_model import load_target
 
 MODEL = "smollm2-test"
 SETTINGS = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=2, concurrency=2, max_retries=3)

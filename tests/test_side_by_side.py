@@ -1,4 +1,4 @@
-"""experiments/side_by_side_speculators.py on shards written by the real extraction (tiny random Llama target)."""
+"""benchmarks/side_by_side_speculators.py on shards written by the real extraction (tiny random Llama target)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.run import build_module, optimizer_steps
 
-SCRIPT = PROJECT_ROOT / "experiments" / "side_by_side_speculators.py"
+SCRIPT = PROJECT_ROOT / "benchmarks" / "side_by_side_speculators.py"
 TTT = 3
 
 

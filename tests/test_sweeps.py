@@ -18,7 +18,7 @@ from eaglet.sweeps.serving import Deployment, predicted_speedups, resolve_deploy
 from eaglet.sweeps.simulated import tau_curve
 from eaglet.sweeps.summarize import HEATMAP_FILE, SUMMARY_FILE, summarize
 from eaglet.sweeps.summarize import main as summarize_main
-from eaglet.target import load_target, resolve_aux_layer_ids
+from eaglet.target_model import load_target, resolve_aux_layer_ids
 
 VOCAB = 49152  # conf/model/tiny_llama.yaml
 NEW_TOKENS = 20

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from eaglet.errors import ConfigError
-from eaglet.target import LAYER_PATHS, capture_hidden_states, find_target_parts
+from eaglet.target_model import LAYER_PATHS, capture_hidden_states, find_target_parts
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 

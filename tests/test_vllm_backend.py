@@ -54,7 +54,7 @@ from eaglet.extract.vllm.request_file import (
     tokenization_mismatch,
 )
 from eaglet.shards import ShardReader, load_token_counts, read_manifest
-from eaglet.target import capture_hidden_states, config_hash, find_target_parts, load_tokenizer
+from eaglet.target_model import capture_hidden_states, config_hash, find_target_parts, load_tokenizer
 
 SHARED = PROJECT_ROOT.parent / "shared" / "data"
 TINY = {"num_layers": 6, "hidden_size": 64, "vocab_size": 49152}

@@ -15,7 +15,7 @@ import torch
 
 from eaglet.evaluate.proposers import Proposer
 from eaglet.evaluate.speculative import DecodeStats, LosslessError, greedy_decode, speculative_decode
-from eaglet.target import LoadedTarget
+from eaglet.target_model import LoadedTarget
 
 _WARMUP_TOKENS = 4
 

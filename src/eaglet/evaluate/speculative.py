@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from eaglet.errors import ConfigError, EagletError
 from eaglet.evaluate.proposers import Proposer, TargetState
-from eaglet.target import HiddenStateCapture, LoadedTarget
+from eaglet.target_model import HiddenStateCapture, LoadedTarget
 
 
 class LosslessError(EagletError):

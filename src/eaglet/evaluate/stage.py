@@ -18,7 +18,7 @@ from eaglet.evaluate.metrics import evaluate_prompts, format_table
 from eaglet.evaluate.proposers import Eagle3Proposer, NgramProposer, Proposer
 from eaglet.extract.pipeline import load_dataset
 from eaglet.fsutil import atomic_write_json
-from eaglet.target import LoadedTarget, load_target
+from eaglet.target_model import LoadedTarget, load_target
 
 RESULTS_FILE = "eval.json"
 

@@ -47,7 +47,7 @@ from eaglet.shards import (
     shard_name,
     write_manifest,
 )
-from eaglet.target import (
+from eaglet.target_model import (
     LoadedTarget,
     capture_hidden_states,
     head_weights,

@@ -67,7 +67,7 @@ class DecodeSettings:
 @torch.inference_mode()
 def decode_continuous(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
     """Decode every request `source` hands out until it has no more and no row is running."""
-    # The named ranges show up in a torch.profiler trace (experiments/bench_regenerate.py bench.profile=1).
+    # The named ranges show up in a torch.profiler trace (benchmarks/bench_regenerate.py bench.profile=1).
     with gqa_decode(model):
         batch = _RunningBatch(model, settings)
         while True:

@@ -14,7 +14,7 @@ from eaglet.fsutil import atomic_output
 from eaglet.shards.format import SequenceFeatures, write_shard
 from eaglet.shards.manifest import MANIFEST_VERSION, Manifest, write_manifest
 from eaglet.shards.vocab import count_tokens, save_token_counts
-from eaglet.target.capture import resolve_aux_layer_ids
+from eaglet.target_model.capture import resolve_aux_layer_ids
 
 
 def write_synthetic_shards(

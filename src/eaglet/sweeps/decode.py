@@ -21,7 +21,7 @@ from eaglet.evaluate.proposers import Eagle3Proposer
 from eaglet.evaluate.speculative import DecodeStats, greedy_decode, speculative_decode
 from eaglet.evaluate.stage import load_prompt_set, training_prompts
 from eaglet.sweeps.replay import replay_all, trace_prompt
-from eaglet.target import load_target
+from eaglet.target_model import load_target
 
 
 def decode_curve(cfg: EagletConfig, draft_dir: Path, k_max: int) -> dict[str, Any]:

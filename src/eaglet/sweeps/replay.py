@@ -24,7 +24,7 @@ import torch
 from eaglet.errors import ConfigError
 from eaglet.evaluate.proposers import Proposer, TargetState
 from eaglet.evaluate.speculative import DecodeStats, accepted_length, greedy_decode
-from eaglet.target import LoadedTarget, capture_hidden_states
+from eaglet.target_model import LoadedTarget, capture_hidden_states
 
 
 @dataclass

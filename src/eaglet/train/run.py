@@ -18,7 +18,7 @@ from eaglet.export.eagle import export_eagle
 from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
 from eaglet.fsutil import atomic_write_json
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
-from eaglet.target.capture import resolve_aux_layer_ids
+from eaglet.target_model.capture import resolve_aux_layer_ids
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule

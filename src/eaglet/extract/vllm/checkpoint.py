@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from eaglet.config.schema import ModelConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.target import LAYER_PATHS, config_hash
+from eaglet.target_model import LAYER_PATHS, config_hash
 
 _INDEX = "model.safetensors.index.json"
 _HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglet.errors import DataError
-from eaglet.target import check_aux_layer_ids
+from eaglet.target_model import check_aux_layer_ids
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from eaglet.shards import (
     shard_name,
     write_manifest,
 )
-from eaglet.target import LoadedTarget, load_tokenizer, resolve_aux_layer_ids, tokenizer_hash
+from eaglet.target_model import LoadedTarget, load_tokenizer, resolve_aux_layer_ids, tokenizer_hash
 
 
 class HiddenStateSource(Protocol):

@@ -1,8 +1,8 @@
 """Draft-head training throughput, peak memory and model-FLOP utilisation on synthetic shards.
 
-    python experiments/bench_train.py                              # tiny shapes on this CPU (smoke)
-    python experiments/bench_train.py shapes=llama3_1_8b,kimi_k2_5 ttt=3,7   # on a GPU
-    python experiments/bench_train.py shapes=kimi_k2_5 ttt=3 compile=1 embed_bf16=1   # compiled layer, bf16 embeddings
+    python benchmarks/bench_train.py                              # tiny shapes on this CPU (smoke)
+    python benchmarks/bench_train.py shapes=llama3_1_8b,kimi_k2_5 ttt=3,7   # on a GPU
+    python benchmarks/bench_train.py shapes=kimi_k2_5 ttt=3 compile=1 embed_bf16=1   # compiled layer, bf16 embeddings
 
 Shards are written by the real writer (documents of `doc_tokens` tokens, the first ~40% of each a prompt
 with loss mask 0), read back through the real data module (memory maps, packing into `batch_tokens`-token
@@ -38,7 +38,7 @@ from eaglet.shards import (
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.module import DraftHeadModule
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 # (hidden, heads, kv heads, head_dim, intermediate, vocab) of the draft heads shipped in conf/model.
 SHAPES = {
     "tiny": (64, 4, 2, 16, 128, 4096),
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> None:
             print(row, flush=True)
             rows.append(row)
     shutil.rmtree(work)
-    command = "python experiments/bench_train.py " + " ".join(argv)
+    command = "python benchmarks/bench_train.py " + " ".join(argv)
     with open(BENCH_FILE, "a") as fh:
         fh.write(f"\n### Training throughput — `{command.strip()}`\n\n{header}\n" + "\n".join(rows) + "\n")
 

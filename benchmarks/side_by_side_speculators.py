@@ -1,9 +1,9 @@
 """Side by side: eaglet's draft-head training against the `speculators` package's Eagle3 model, same data.
 
-    python experiments/side_by_side_speculators.py                      # embedded default, 96 steps
-    python experiments/side_by_side_speculators.py steps=96 ttt=3 prompts=5 max_new_tokens=64
-    python experiments/side_by_side_speculators.py experiments=smollm2_gpu epochs=6 ttt=5 evaluate=0 save=DIR
-    python experiments/side_by_side_speculators.py shards=DIR model=tiny_llama ...   # other keys: Hydra overrides
+    python benchmarks/side_by_side_speculators.py                      # embedded default, 96 steps
+    python benchmarks/side_by_side_speculators.py steps=96 ttt=3 prompts=5 max_new_tokens=64
+    python benchmarks/side_by_side_speculators.py experiments=smollm2_gpu epochs=6 ttt=5 evaluate=0 save=DIR
+    python benchmarks/side_by_side_speculators.py shards=DIR model=tiny_llama ...   # other keys: Hydra overrides
 
 Both heads start from the same weights at the model config's draft shape (`model.draft`, `model.draft_vocab_size`,
 d2t/t2d from the shards' token counts, embeddings and lm_head rows from target_head.safetensors; speculators'
@@ -67,13 +67,13 @@ from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
 from eaglet.model.attention import document_causal_mask
 from eaglet.model.draft_head import Eagle3DraftHead
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
-from eaglet.target import load_target
+from eaglet.target_model import load_target
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.run import build_module, check_manifest, optimizer_steps
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 OPTS: dict[str, Any] = {"shards": None, "steps": 96, "epochs": 0, "ttt": None, "prompts": 5, "max_new_tokens": 64,
                         "evaluate": 1, "save": None}  # fmt: skip
 # `ttt=K` sets K for both heads (and the evaluation's draft length); left out, the composed trainer.ttt_steps.
@@ -542,7 +542,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         return results
     table = format_table(results)
     print(f"\n{table}\n\n{attention_note(results)}")
-    append_benchmark(results, " ".join(["python experiments/side_by_side_speculators.py", *argv]), table)
+    append_benchmark(results, " ".join(["python benchmarks/side_by_side_speculators.py", *argv]), table)
     return results
 
 

@@ -1,7 +1,7 @@
 """In-process regeneration throughput: the turn-serial scheduler eaglet had before against continuous batching.
 
-    python experiments/bench_regenerate.py                                   # embedded SmolLM2, 64 conversations
-    python experiments/bench_regenerate.py bench.conversations=512 bench.batch_size=512 bench.max_new_tokens=640
+    python benchmarks/bench_regenerate.py                                   # embedded SmolLM2, 64 conversations
+    python benchmarks/bench_regenerate.py bench.conversations=512 bench.batch_size=512 bench.max_new_tokens=640
 
 Both schedulers answer the same multi-turn conversations (ShareGPT and OpenAssistant, at least two user turns
 each) greedily, turn by turn. "turn-serial" is the previous scheduler, kept here for comparison: fixed
@@ -31,9 +31,9 @@ from eaglet.data.conversations import Conversation, Turn, read_jsonl_conversatio
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerated import user_turn_groups
 from eaglet.data.templating import build_prompt_ids
-from eaglet.target import load_target
+from eaglet.target_model import load_target
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 DEFAULTS = {
     "conversations": 64,
     "max_new_tokens": 64,
@@ -262,7 +262,7 @@ def main(argv: list[str]) -> None:
         print(notes[-1])
     if not opts["record"]:
         return
-    command = "python experiments/bench_regenerate.py " + " ".join(argv)
+    command = "python benchmarks/bench_regenerate.py " + " ".join(argv)
     settings = f"max_new_tokens {opts['max_new_tokens']}, max_length {opts['max_length']}, refill_every {opts['refill_every']}"
     with open(BENCH_FILE, "a") as fh:
         fh.write(f"\n### Regeneration throughput — `{command.strip()}`\n\n{settings}. {' '.join(notes)}\n\n")

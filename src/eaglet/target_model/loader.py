@@ -34,7 +34,7 @@ from transformers import (
 from eaglet.config.schema import ModelConfig
 from eaglet.errors import ConfigError
 from eaglet.fsutil import fsync_dir, fsync_file
-from eaglet.target.layers import TargetParts, find_target_parts
+from eaglet.target_model.layers import TargetParts, find_target_parts
 
 log = logging.getLogger(__name__)
 

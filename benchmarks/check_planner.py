@@ -1,7 +1,7 @@
 """The planner's training and extraction predictions against the H200 rows of BENCHMARKS.md.
 
-    python experiments/check_planner.py             # print, and append the table to BENCHMARKS.md
-    python experiments/check_planner.py append=0    # print only
+    python benchmarks/check_planner.py             # print, and append the table to BENCHMARKS.md
+    python benchmarks/check_planner.py append=0    # print only
 
 Every measured number is read from the markdown tables of experiments/BENCHMARKS.md (the latest row of each
 configuration), never typed in. The calibration constants of conf/plan/default.yaml come from one row
@@ -39,7 +39,7 @@ from eaglet.plan.extraction import estimate_extraction, place_target, prefill_se
 from eaglet.plan.target_cost import forward_flops_per_token
 from eaglet.plan.training import HeadShape, attention_context, calibrated_efficiency, device_seconds_per_token
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 SECTION = "NVIDIA H200"  # the rows checked, and the hardware config they ran on
 MACHINE = "h200_x1"
 SIDE_BY_SIDE = "Side by side with speculators on one device"
@@ -275,7 +275,7 @@ def main(argv: list[str]) -> int:
     ]
     print(header + "\n" + "\n".join(lines) + "\n\n" + "\n".join(footer))
     if opts["append"]:
-        command = "python experiments/check_planner.py " + " ".join(argv)
+        command = "python benchmarks/check_planner.py " + " ".join(argv)
         with open(BENCH_FILE, "a") as fh:
             fh.write(
                 f"\n### Planner check — `{command.strip()}` (predictions from conf/plan/default.yaml)\n\n"

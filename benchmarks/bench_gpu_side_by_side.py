@@ -1,8 +1,8 @@
 """Side by side on one GPU: eaglet's draft-head training step against the speculators package's Eagle3 model.
 
-    python experiments/bench_gpu_side_by_side.py                     # H200: Llama-3.1-8B and Kimi-K2.5 shapes, K=3,7
-    python experiments/bench_gpu_side_by_side.py --shapes kimi_k2_5 --ttt 3 --variants speculators,eaglet_compiled
-    python experiments/bench_gpu_side_by_side.py --smoke             # tiny shapes on CPU: the script works end to end
+    python benchmarks/bench_gpu_side_by_side.py                     # H200: Llama-3.1-8B and Kimi-K2.5 shapes, K=3,7
+    python benchmarks/bench_gpu_side_by_side.py --shapes kimi_k2_5 --ttt 3 --variants speculators,eaglet_compiled
+    python benchmarks/bench_gpu_side_by_side.py --smoke             # tiny shapes on CPU: the script works end to end
 
 In one process, for each shape (bench_train.py SHAPES, draft vocab 32000) and K, the same packed micro-batches
 (8192 tokens: four 2048-token documents, the first 30-50% of each a prompt with loss mask 0, random ids,
@@ -58,7 +58,7 @@ from eaglet.model.draft_head import Eagle3DraftHead  # noqa: E402
 from eaglet.train.module import DraftHeadModule  # noqa: E402
 from eaglet.train.ttt import ttt_forward  # noqa: E402
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 GIB = 2**30
 DATA_HEADER = (
     "| shape | source | loader | tokens/s, epoch 1 | tokens/s, epochs 2+ | epoch 1 vs training rate "
@@ -562,7 +562,7 @@ def main(argv: list[str]) -> None:
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 matmul {ceiling / 1e12:.0f} TFLOP/s"
     else:
         machine = f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    command = "python experiments/bench_gpu_side_by_side.py " + " ".join(argv)
+    command = "python benchmarks/bench_gpu_side_by_side.py " + " ".join(argv)
     print(f"{machine}\n{command.strip()}\n", flush=True)
 
     check_lines = []

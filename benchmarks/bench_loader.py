@@ -1,7 +1,7 @@
 """The training data path alone: tokens/s the ShardDataModule's train loader delivers from shards on local disk.
 
-    python experiments/bench_loader.py                                   # Kimi-K2.5 shapes, several loader settings
-    python experiments/bench_loader.py --loaders threads=0,threads=2,workers=4 --docs 48 --train-tps 38289
+    python benchmarks/bench_loader.py                                   # Kimi-K2.5 shapes, several loader settings
+    python benchmarks/bench_loader.py --loaders threads=0,threads=2,workers=4 --docs 48 --train-tps 38289
 
 Shards of random bf16 features at a target's shapes (bench_train.py SHAPES, three aux layers) are written by
 the real writer to --dir (default: TMPDIR), read once so that they sit in the page cache, then read back by the
@@ -52,7 +52,7 @@ from eaglet.shards import (  # noqa: E402
 from eaglet.train import packing  # noqa: E402
 from eaglet.train.datamodule import ShardDataModule  # noqa: E402
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 GIB = 2**30
 
 
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> None:
         parse_loader(setting)  # a typo fails before the shards are written
 
     shape = SHAPES[opts.shape]
-    command = "python experiments/bench_loader.py " + " ".join(argv)
+    command = "python benchmarks/bench_loader.py " + " ".join(argv)
     print(f"{machine()}\n{command.strip()}\n", flush=True)
     directory = Path(tempfile.mkdtemp(prefix="bench-loader-", dir=opts.dir))
     header = (

@@ -1,8 +1,8 @@
 """Multi-device training: throughput per device, scaling efficiency, peak memory and loss curves, 1 device vs
 DDP vs FSDP, each run being `python train.py` itself on synthetic shards at a target's true shapes.
 
-    python experiments/bench_multi_gpu.py model=llama3_1_8b hardware=h200_x2 steps=30     # on 2 GPUs
-    python experiments/bench_multi_gpu.py model=tiny_llama hardware=cpu devices=2 strategies=ddp   # CPU smoke
+    python benchmarks/bench_multi_gpu.py model=llama3_1_8b hardware=h200_x2 steps=30     # on 2 GPUs
+    python benchmarks/bench_multi_gpu.py model=tiny_llama hardware=cpu devices=2 strategies=ddp   # CPU smoke
 
 Every run has the same global batch (hardware.tokens_per_device x devices tokens): the one-device run
 accumulates gradients over as many micro-batches as the others have devices, so with the rank-aware sampler
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import eaglet.config  # noqa: E402,F401  (registers the schemas)
 from eaglet.shards.synthetic import write_synthetic_shards  # noqa: E402
 
-BENCH_FILE = Path(__file__).with_name("BENCHMARKS.md")
+BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 OPTS = {"model": "llama3_1_8b", "hardware": "h200_x2", "devices": "", "strategies": "ddp,fsdp", "steps": "30",
         "warmup": "5", "docs": "96", "doc_tokens": "2048", "ttt": "3", "draft_vocab": "32000", "workers": "0",
         "threads": "2", "append": "1", "run_timeout": "0"}  # fmt: skip
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> None:
         print(name, "loss_global:", " ".join(f"{r['loss'][s]:.4f}" for s in sorted(r["loss"])[:12]))
     if opts["append"] == "0":
         return
-    command = "python experiments/bench_multi_gpu.py " + " ".join(argv)
+    command = "python benchmarks/bench_multi_gpu.py " + " ".join(argv)
     with open(BENCH_FILE, "a") as fh:
         fh.write(f"\n### Multi-device training — `{command.strip()}`\n\n{header}\n" + "\n".join(rows) + "\n")
 
