@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import eaglet.evaluate.speculative as speculative
+import eaglet.evaluate.acceptance as acceptance
 from eaglet.config.schema import DraftConfig
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate import (
@@ -149,9 +149,9 @@ def test_speculative_output_equals_greedy(target, eagle_head, k: int) -> None:
 
 
 def test_a_verifier_that_accepts_one_token_too_many_is_caught(target, eagle_head, monkeypatch) -> None:
-    real = speculative.accepted_length
+    real = acceptance.accepted_length
     monkeypatch.setattr(
-        speculative,
+        acceptance,
         "accepted_length",
         lambda proposals, argmax: min(len(proposals), real(proposals, argmax) + 1),
     )

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from eaglet.evaluate.acceptance import DecodeStats
 from eaglet.evaluate.proposers import Proposer
-from eaglet.evaluate.speculative import DecodeStats, LosslessError, greedy_decode, speculative_decode
+from eaglet.evaluate.speculative import LosslessError, greedy_decode, speculative_decode
 from eaglet.target_model import LoadedTarget
 
 _WARMUP_TOKENS = 4
@@ -78,7 +79,15 @@ def evaluate_prompts(
                 max_new_tokens=max_new_tokens,
                 stop_ids=stop_ids,
             )
-            near_ties[name] += _check_lossless(target, name, index, prompt, reference, output, tie_tolerance)
+            near_ties[name] += check_lossless(
+                target,
+                prompt,
+                reference,
+                output,
+                tie_tolerance=tie_tolerance,
+                proposer=name,
+                prompt_index=index,
+            )
             totals[name] = totals[name] + stats
 
     results: dict[str, dict[str, Any]] = {}
@@ -100,16 +109,19 @@ def evaluate_prompts(
     return results
 
 
-def _check_lossless(
+def check_lossless(
     target: LoadedTarget,
-    name: str,
-    index: int,
-    prompt: list[int],
-    reference: list[int],
-    output: list[int],
+    prompt: Sequence[int],
+    reference: Sequence[int],
+    output: Sequence[int],
+    *,
     tie_tolerance: float,
+    proposer: str,
+    prompt_index: int,
 ) -> int:
-    """0 if equal, 1 for a tolerated near-tie; raises LosslessError otherwise."""
+    """Whether a speculative `output` equals the greedy `reference` of the same prompt: 0 if equal, 1 for a
+    near-tie (the target's top-2 logit gap at the first difference below `tie_tolerance`); raises
+    LosslessError otherwise, naming the proposer and the prompt's index."""
     position = first_difference(reference, output)
     if position is None:
         return 0
@@ -123,10 +135,11 @@ def _check_lossless(
         else ""
     )
     raise LosslessError(
-        f"proposer {name!r}, prompt {index}: speculative output differs from greedy at new token {position} "
-        f"(greedy {reference[position : position + 3]}..., speculative {output[position : position + 3]}...; "
-        f"lengths {len(reference)} and {len(output)}). The target's top-2 logit gap there is {gap:.4g}, not "
-        f"below the tie tolerance {tie_tolerance}: the verifier or the cache handling is wrong.{rounding}"
+        f"proposer {proposer!r}, prompt {prompt_index}: speculative output differs from greedy at new token "
+        f"{position} (greedy {reference[position : position + 3]}..., speculative "
+        f"{output[position : position + 3]}...; lengths {len(reference)} and {len(output)}). The target's top-2 "
+        f"logit gap there is {gap:.4g}, not below the tie tolerance {tie_tolerance}: the verifier or the cache "
+        f"handling is wrong.{rounding}"
     )
 
 

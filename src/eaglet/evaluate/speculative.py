@@ -12,75 +12,18 @@ import inspect
 import time
 from collections.abc import Collection, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from eaglet.errors import ConfigError, EagletError
+from eaglet.evaluate.acceptance import DecodeStats
 from eaglet.evaluate.proposers import Proposer, TargetState
 from eaglet.target_model import HiddenStateCapture, LoadedTarget
 
 
 class LosslessError(EagletError):
     """Speculative decoding produced other tokens than greedy decoding of the same target."""
-
-
-@dataclass
-class DecodeStats:
-    """Counters of one speculative run (or the sum of several: `a + b`)."""
-
-    steps: int = 0  # verification forwards that checked at least one proposed token
-    accepted: int = 0
-    proposed: int = 0
-    per_position_accepted: list[int] = field(default_factory=list)
-    per_position_proposed: list[int] = field(default_factory=list)
-    new_tokens: int = 0
-    target_forwards: int = 0  # all of them: prefill, verification, and steps without proposals
-    seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length 1 + accepted / steps, the bonus token counted (vLLM's definition)."""
-        return 1.0 + self.accepted / self.steps if self.steps else 1.0
-
-    def acceptance_rate(self, position: int) -> float:
-        """Accepted / proposed at draft position `position` (0-based); an accepted token implies its prefix was."""
-        proposed = _at(self.per_position_proposed, position)
-        return _at(self.per_position_accepted, position) / proposed if proposed else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
-
-    def __add__(self, other: DecodeStats) -> DecodeStats:
-        width = max(len(self.per_position_proposed), len(other.per_position_proposed))
-        return DecodeStats(
-            steps=self.steps + other.steps,
-            accepted=self.accepted + other.accepted,
-            proposed=self.proposed + other.proposed,
-            per_position_accepted=[
-                _at(self.per_position_accepted, i) + _at(other.per_position_accepted, i) for i in range(width)
-            ],
-            per_position_proposed=[
-                _at(self.per_position_proposed, i) + _at(other.per_position_proposed, i) for i in range(width)
-            ],
-            new_tokens=self.new_tokens + other.new_tokens,
-            target_forwards=self.target_forwards + other.target_forwards,
-            seconds=self.seconds + other.seconds,
-        )
-
-
-def _at(values: list[int], i: int) -> int:
-    return values[i] if i < len(values) else 0
-
-
-def accepted_length(proposals: Sequence[int], target_argmax: Sequence[int]) -> int:
-    """Length of the longest prefix of `proposals` equal to the target's argmax at the same positions."""
-    for i, (proposed, verified) in enumerate(zip(proposals, target_argmax, strict=False)):
-        if proposed != verified:
-            return i
-    return len(proposals)
 
 
 class _TargetSession:
@@ -169,9 +112,7 @@ def speculative_decode(
         raise ConfigError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
     _check_request(prompt_ids, max_new_tokens)
     stops = set(stop_ids)
-    stats = DecodeStats(
-        per_position_accepted=[0] * num_spec_tokens, per_position_proposed=[0] * num_spec_tokens
-    )
+    stats = DecodeStats.for_draft_length(num_spec_tokens)
     with ExitStack() as stack:
         session = _TargetSession(target, proposer.aux_layer_ids, stack)
         _sync(session.device)
@@ -189,15 +130,8 @@ def speculative_decode(
             budget = min(num_spec_tokens, max_new_tokens - len(out) - 1)
             proposals = proposer.propose(budget)[:budget] if budget else []
             argmax, aux = session.forward([out[-1], *proposals], len(proposals) + 1)
-            accepted = accepted_length(proposals, argmax)
+            accepted = stats.record_step(proposals, argmax)
             new = [*proposals[:accepted], argmax[accepted]]
-            if proposals:
-                stats.steps += 1
-                stats.proposed += len(proposals)
-                stats.accepted += accepted
-                for i in range(len(proposals)):
-                    stats.per_position_proposed[i] += 1
-                    stats.per_position_accepted[i] += int(i < accepted)
             stop_at = next((i for i, t in enumerate(new) if t in stops), None)
             if stop_at is not None:
                 out.extend(new[:stop_at])

@@ -7,7 +7,8 @@ reference[n:] and adds its own next token, so the next state is n + accepted + 1
 per prompt (continued past the stop token, where a chain may still be checked), the target's aux states of
 that reference (one forward), and the proposer's K_max-chain at every state reproduce, step for step, the run
 `speculative_decode` makes at each K <= K_max: same steps, acceptances per position, forwards and output.
-A test checks this against real speculative decoding at every K. The cost is one greedy decode plus one
+Both score a step with the same `DecodeStats.record_step`;
+a test checks the replay against real speculative decoding at every K. The cost is one greedy decode plus one
 draft chain per generated token, instead of one speculative decode per draft length.
 
 The only difference is numerical: here the target's aux states come from one forward over the reference,
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from eaglet.errors import ConfigError
+from eaglet.evaluate.acceptance import DecodeStats
 from eaglet.evaluate.proposers import Proposer, TargetState
-from eaglet.evaluate.speculative import DecodeStats, accepted_length, greedy_decode
+from eaglet.evaluate.speculative import greedy_decode
 from eaglet.target_model import LoadedTarget, capture_hidden_states
 
 
@@ -100,20 +102,14 @@ def _aux_states(target: LoadedTarget, proposer: Proposer, tokens: list[int]) -> 
 def replay(trace: PromptTrace, k: int, max_new_tokens: int) -> DecodeStats:
     """The DecodeStats `speculative_decode` reports for this prompt at draft length k (seconds excluded)."""
     _check(k, max_new_tokens)
-    stats = DecodeStats(per_position_accepted=[0] * k, per_position_proposed=[0] * k, target_forwards=1)
+    stats = DecodeStats.for_draft_length(k)
+    stats.target_forwards = 1  # the prefill
     n = min(trace.length, 1)
     while 0 < n < max_new_tokens:
         budget = min(k, max_new_tokens - n - 1)
         proposals = trace.chains[n][:budget] if budget else []
-        accepted = accepted_length(proposals, trace.reference[n : n + len(proposals)])
+        accepted = stats.record_step(proposals, trace.reference[n : n + len(proposals)])
         stats.target_forwards += 1
-        if proposals:
-            stats.steps += 1
-            stats.proposed += len(proposals)
-            stats.accepted += accepted
-            for i in range(len(proposals)):
-                stats.per_position_proposed[i] += 1
-                stats.per_position_accepted[i] += int(i < accepted)
         n += accepted + 1
         if trace.stopped and n > trace.length:  # the accepted block reached the stop token
             n = trace.length
@@ -126,7 +122,7 @@ def replay_all(traces: Sequence[PromptTrace], k_max: int, max_new_tokens: int) -
     """Summed stats over the prompts, one DecodeStats per draft length 1..k_max."""
     totals = []
     for k in range(1, k_max + 1):
-        total = DecodeStats(per_position_accepted=[0] * k, per_position_proposed=[0] * k)
+        total = DecodeStats.for_draft_length(k)
         for trace in traces:
             total = total + replay(trace, k, max_new_tokens)
         totals.append(total)
