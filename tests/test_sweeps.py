@@ -12,6 +12,7 @@ import torch
 from eaglet.evaluate import Eagle3Proposer, NgramProposer, TargetState, greedy_decode, speculative_decode
 from eaglet.model.draft_head import Eagle3DraftHead
 from eaglet.sweeps.collect import load_trials
+from eaglet.sweeps.decode import replayed_curve
 from eaglet.sweeps.replay import replay, replay_all, trace_prompt
 from eaglet.sweeps.report import build_rows
 from eaglet.sweeps.serving import Deployment, predicted_speedups, resolve_deployment, speculative_config
@@ -133,6 +134,23 @@ def test_replay_all_sums_prompts_and_tau_grows_with_the_draft_length(tiny, eagle
         assert 1.0 <= total.tau <= k + 1
     # The oracle is right at most positions: longer drafts accept more per step.
     assert totals[0].tau < totals[1].tau < totals[3].tau
+
+
+def test_replayed_curve_ends_at_real_decoding_of_the_longest_draft_length(tiny) -> None:
+    _, target = tiny
+    curve = replayed_curve(
+        target,
+        NgramProposer(min_n=1, max_n=3),
+        _prompts()[1:],
+        k_max=3,
+        max_new_tokens=NEW_TOKENS,
+        tie_tolerance=0.0,
+        stop_ids=(),
+    )
+    assert len(curve["tau"]) == 3 and [len(rates) for rates in curve["acceptance_rates"]] == [1, 2, 3]
+    measured = curve["measured_at_max_draft_length"]
+    assert curve["tau"][-1] == pytest.approx(measured["tau"]) and measured["near_ties"] == 0
+    assert curve["new_tokens"] == 3 * NEW_TOKENS and measured["tau"] > 1.0
 
 
 def test_tau_curve_is_the_simulated_tau_at_each_length() -> None:

@@ -9,22 +9,25 @@ this machine.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from eaglet.config.schema import EagletConfig
 from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import DataError
+from eaglet.evaluate.acceptance import DecodeStats
 from eaglet.evaluate.draft_loader import load_eagle_draft
-from eaglet.evaluate.metrics import _check_lossless as check_lossless
-from eaglet.evaluate.proposers import Eagle3Proposer
-from eaglet.evaluate.speculative import DecodeStats, greedy_decode, speculative_decode
+from eaglet.evaluate.metrics import check_lossless
+from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
+from eaglet.evaluate.speculative import greedy_decode, speculative_decode
 from eaglet.evaluate.stage import load_prompt_set, training_prompts
 from eaglet.sweeps.replay import replay_all, trace_prompt
-from eaglet.target_model import load_target
+from eaglet.target_model import LoadedTarget, load_target
 
 
 def decode_curve(cfg: EagletConfig, draft_dir: Path, k_max: int) -> dict[str, Any]:
+    """The head in `draft_dir` against the target of `cfg.model`, on the evaluator's prompt sets."""
     ev = cfg.eval
     target = load_target(cfg.model, device=ev.device, cache_dir=Path(cfg.paths.cache_dir))
     template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
@@ -43,32 +46,59 @@ def decode_curve(cfg: EagletConfig, draft_dir: Path, k_max: int) -> dict[str, An
             f"no evaluation prompt left in eval.sets={list(ev.sets)} (all overlap training, or "
             "eval.prompts_per_set=0); sweep.tau_source=sim measures on the validation shards instead"
         )
-    stop_ids = {target.tokenizer.eos_token_id}
+    curve = replayed_curve(
+        target,
+        proposer,
+        prompts,
+        k_max=k_max,
+        max_new_tokens=ev.max_new_tokens,
+        tie_tolerance=ev.tie_tolerance,
+        stop_ids={target.tokenizer.eos_token_id},
+    )
+    return {"prompts": per_set, **curve}
+
+
+def replayed_curve(
+    target: LoadedTarget,
+    proposer: Proposer,
+    prompts: list[list[int]],
+    *,
+    k_max: int,
+    max_new_tokens: int,
+    tie_tolerance: float,
+    stop_ids: Collection[int],
+) -> dict[str, Any]:
+    """τ, acceptance and tokens per forward at draft lengths 1..k_max by replay, and real decoding at k_max."""
     if target.device.type == "cuda":  # first calls pay for lazy initialisation: keep them out of the timings
         greedy_decode(target, prompts[0], 2, stop_ids)
     traces, measured, near_ties = [], DecodeStats(), 0
     for prompt in prompts:
         trace = trace_prompt(
-            target, proposer, prompt, k_max=k_max, max_new_tokens=ev.max_new_tokens, stop_ids=stop_ids
+            target, proposer, prompt, k_max=k_max, max_new_tokens=max_new_tokens, stop_ids=stop_ids
         )
         output, stats = speculative_decode(
             target,
             proposer,
             prompt,
             num_spec_tokens=k_max,
-            max_new_tokens=ev.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             stop_ids=stop_ids,
         )
         # Lossless: equal to greedy decoding, up to the evaluator's tolerated near-ties of bf16 targets.
         near_ties += check_lossless(
-            target, "eaglet", len(traces), prompt, trace.reference[: trace.length], output, ev.tie_tolerance
+            target,
+            prompt,
+            trace.reference[: trace.length],
+            output,
+            tie_tolerance=tie_tolerance,
+            proposer="eaglet",
+            prompt_index=len(traces),
         )
         traces.append(trace)
         measured = measured + stats
-    totals = replay_all(traces, k_max, ev.max_new_tokens)
+    totals = replay_all(traces, k_max, max_new_tokens)
     greedy_seconds = sum(t.greedy_seconds for t in traces)
     return {
-        "prompts": per_set,
         "new_tokens": totals[0].new_tokens,
         "tau": [t.tau for t in totals],
         # acceptance_rates[K-1][i]: accepted / proposed at draft position i+1 when drafting K tokens.
