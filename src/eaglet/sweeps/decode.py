@@ -15,11 +15,11 @@ from typing import Any
 from eaglet.config.schema import EagletConfig
 from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import DataError
-from eaglet.evaluate.draft_loader import load_eagle_draft
 from eaglet.evaluate.metrics import _check_lossless as check_lossless
 from eaglet.evaluate.proposers import Eagle3Proposer
 from eaglet.evaluate.speculative import DecodeStats, greedy_decode, speculative_decode
 from eaglet.evaluate.stage import load_prompt_set, training_prompts
+from eaglet.formats.reader import load_eagle_draft
 from eaglet.sweeps.replay import replay_all, trace_prompt
 from eaglet.target_model import load_target
 
