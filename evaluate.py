@@ -12,6 +12,7 @@ import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
 from eaglet.config.schema import EagletConfig
 from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
+from eaglet.run_dir import RunDir
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -20,7 +21,7 @@ def main(cfg: EagletConfig) -> None:
     results = run_evaluation(cfg)
     run = Path(results["run"])
     plot = plot_acceptance(results, run / "acceptance.png")
-    print(f"\nper-position acceptance: {plot}\nresults: {run / 'eval.json'}\nserve the head:\n")
+    print(f"\nper-position acceptance: {plot}\nresults: {RunDir(run).results_file}\nserve the head:\n")
     print(serve_commands(run, cfg.eval.num_spec_tokens))
 
 

@@ -53,7 +53,7 @@ from bench_loader import data_module, loader_rate, parse_loader, warm_page_cache
 from bench_train import SHAPES, matmul_rate, model_flops_per_token  # noqa: E402
 
 from eaglet.config.schema import DraftConfig  # noqa: E402
-from eaglet.export.speculators_format import speculators_config  # noqa: E402
+from eaglet.formats.speculators import speculators_config  # noqa: E402
 from eaglet.model.draft_head import Eagle3DraftHead  # noqa: E402
 from eaglet.train.module import DraftHeadModule  # noqa: E402
 from eaglet.train.ttt import ttt_forward  # noqa: E402

@@ -59,11 +59,11 @@ from eaglet.config.schema import DraftConfig
 from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate import Eagle3Proposer, NgramProposer, evaluate_prompts
-from eaglet.evaluate.draft_loader import canonical_name
 from eaglet.evaluate.stage import load_prompt_set, training_prompts
-from eaglet.export.eagle import export_eagle
-from eaglet.export.speculators_format import VOCAB_BUFFERS, speculators_config, speculators_name
 from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
+from eaglet.formats.reader import canonical_name
+from eaglet.formats.speculators import VOCAB_BUFFERS, speculators_config, speculators_name
+from eaglet.formats.writer import export_eagle
 from eaglet.model.attention import document_causal_mask
 from eaglet.model.draft_head import Eagle3DraftHead
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
@@ -477,7 +477,11 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     if opts["save"]:
         for name, head in heads.items():
             export_eagle(
-                head, draft_config(cfg), Path(opts["save"]) / name, aux_layer_ids=manifest.aux_layer_ids
+                head,
+                draft_config(cfg),
+                Path(opts["save"]) / name,
+                aux_layer_ids=manifest.aux_layer_ids,
+                overwrite=True,
             )
     return {
         "sets": evaluate_heads(cfg, heads, manifest.aux_layer_ids) if opts["evaluate"] else {},

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from queue import Queue
 
+from eaglet.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 # Each choice changes one thing against the experiment's own settings (experiments/smollm2_gpu.yaml).
 TRIALS: dict[str, list[str]] = {
@@ -64,18 +66,19 @@ def train_and_evaluate(
     """One trial: train (resumable: skipped when its report exists), then evaluate; its results."""
     base = [sys.executable, "-u"]
     common = ["experiments=smollm2_gpu", *overrides, *opts["extra"].split()]
-    if not (run / "report.json").exists():
+    layout = RunDir(run)
+    if not layout.report_file.exists():
         sh(
             [*base, "train.py", *common, f"trainer.max_epochs={epochs}", f"hydra.run.dir={run}"],
             run / "log.txt",
             gpu,
         )
-    report = json.loads((run / "report.json").read_text())
+    report = json.loads(layout.report_file.read_text())
     trained = {"overrides": overrides, "epochs": epochs, "steps": report["steps"], "train_s": report["seconds"],
                "tau_sim": report["tau_sim"]}  # fmt: skip
     if prompts == 0:  # trained only: evaluated later, e.g. on CPU
-        return {**trained, "saved": str(run / "draft")}
-    if not (run / "eval.json").exists():
+        return {**trained, "saved": str(layout.draft_dir)}
+    if not layout.results_file.exists():
         limit = [] if prompts is None else [f"eval.prompts_per_set={prompts}"]
         sh(
             [
@@ -91,7 +94,7 @@ def train_and_evaluate(
             run / "log.txt",
             gpu,
         )
-    sets = json.loads((run / "eval.json").read_text())["sets"]
+    sets = json.loads(layout.results_file.read_text())["sets"]
     tau = {name: s["results"]["eaglet"]["tau"] for name, s in sets.items()}
     ngram = {name: s["results"]["ngram"]["tau"] for name, s in sets.items()}
     score = sum(tau[n] / ngram[n] for n in tau) / len(tau)

@@ -11,7 +11,7 @@ from test_train import shards, train_overrides  # noqa: F401  (module fixture: s
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
 from eaglet.export.stage import run_export
-from eaglet.export.validate import check_speculators_folder
+from eaglet.formats.contract import check_speculators_folder
 from eaglet.train.run import run_training
 
 

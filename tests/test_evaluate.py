@@ -24,10 +24,10 @@ from eaglet.evaluate import (
     evaluate_prompts,
     format_table,
     greedy_decode,
-    load_eagle_draft,
     speculative_decode,
 )
-from eaglet.export.eagle import export_eagle
+from eaglet.formats.reader import load_eagle_draft
+from eaglet.formats.writer import export_eagle
 from eaglet.generation import decode_batch
 from eaglet.model.draft_head import Eagle3DraftHead
 from eaglet.target_model import capture_hidden_states, load_target, resolve_aux_layer_ids

@@ -15,13 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet.config.schema import DraftConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.export.speculators_format import export_speculators, speculators_name
-from eaglet.export.validate import (
-    check_eagle_folder,
-    check_speculators_folder,
-    eagle_server_names,
-    export_eagle_checked,
-)
+from eaglet.formats.contract import check_eagle_folder, check_speculators_folder
+from eaglet.formats.reader import load_eagle_draft
+from eaglet.formats.server_names import eagle_server_names
+from eaglet.formats.speculators import speculators_name
+from eaglet.formats.writer import export_eagle, export_speculators
 from eaglet.model.attention import document_causal_mask
 from eaglet.model.draft_head import Eagle3DraftHead
 
@@ -89,7 +87,7 @@ def head(cfg: DraftConfig) -> Eagle3DraftHead:
 
 @pytest.fixture
 def eagle_dir(tmp_path: Path, head: Eagle3DraftHead, cfg: DraftConfig) -> Path:
-    return export_eagle_checked(head, cfg, tmp_path / "eagle", aux_layer_ids=AUX, dtype=torch.float32)
+    return export_eagle(head, cfg, tmp_path / "eagle", aux_layer_ids=AUX, dtype=torch.float32)
 
 
 @pytest.fixture
@@ -179,7 +177,7 @@ def test_check_eagle_folder_rejects(eagle_dir: Path, breakage: str) -> None:
 def test_eagle_folder_without_embeddings_is_valid(
     tmp_path: Path, head: Eagle3DraftHead, cfg: DraftConfig
 ) -> None:
-    folder = export_eagle_checked(head, cfg, tmp_path / "eagle", aux_layer_ids=AUX, include_embed=False)
+    folder = export_eagle(head, cfg, tmp_path / "eagle", aux_layer_ids=AUX, include_embed=False)
     assert "embed_tokens.weight" not in load_file(folder / "model.safetensors")
 
 
@@ -220,7 +218,7 @@ def test_full_vocab_head_needs_no_d2t() -> None:
 # --- export folder handling -----------------------------------------------------------------------------------
 
 EXPORTERS = {
-    "eagle": lambda head, cfg, out, **kw: export_eagle_checked(head, cfg, out, aux_layer_ids=AUX, **kw),
+    "eagle": lambda head, cfg, out, **kw: export_eagle(head, cfg, out, aux_layer_ids=AUX, **kw),
     "speculators": lambda head, cfg, out, **kw: export_speculators(
         head, cfg, out, aux_layer_ids=AUX, ttt_steps=3, **kw
     ),
@@ -454,8 +452,6 @@ def test_speculators_loads_export_with_identical_logits(
 def test_the_evaluator_loads_a_speculators_folder_as_a_baseline(
     speculators_dir: Path, head: Eagle3DraftHead
 ) -> None:
-    from eaglet.evaluate.draft_loader import load_eagle_draft
-
     loaded, _, aux_ids = load_eagle_draft(speculators_dir)
     assert aux_ids == AUX
     hidden = torch.randn(5, head.hidden_size)

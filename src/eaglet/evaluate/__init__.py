@@ -1,7 +1,6 @@
 """Evaluate a draft head by real speculative decoding against the target, with an n-gram baseline."""
 
 from eaglet.evaluate.acceptance import DecodeStats
-from eaglet.evaluate.draft_loader import load_eagle_draft
 from eaglet.evaluate.drafter import Eagle3Drafter
 from eaglet.evaluate.metrics import check_lossless, evaluate_prompts, format_table
 from eaglet.evaluate.proposers import Eagle3Proposer, NgramProposer, Proposer, TargetState
@@ -19,6 +18,5 @@ __all__ = [
     "evaluate_prompts",
     "format_table",
     "greedy_decode",
-    "load_eagle_draft",
     "speculative_decode",
 ]

@@ -6,51 +6,30 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from eaglet.config.schema import EagletConfig
 from eaglet.data.conversations import load_conversations
 from eaglet.data.holdout import normalise_prompt
 from eaglet.data.templating import build_prompt_ids, chat_template_variables, resolve_chat_template
 from eaglet.errors import ConfigError, DataError
-from eaglet.evaluate.draft_loader import load_eagle_draft
 from eaglet.evaluate.metrics import evaluate_prompts, format_table
 from eaglet.evaluate.proposers import Eagle3Proposer, NgramProposer, Proposer
 from eaglet.extract.pipeline import load_dataset
+from eaglet.formats.reader import load_eagle_draft
 from eaglet.fsutil import atomic_write_json
+from eaglet.run_dir import RunDir
 from eaglet.target_model import LoadedTarget, load_target
 
-RESULTS_FILE = "eval.json"
 
-
-def resolve_run(value: str | None, output_dir: Path) -> Path:
-    """A training run folder; null or "last" = the newest run that has a report."""
-    if value in (None, "last"):
-        runs = sorted(output_dir.glob("train/*/report.json"), key=lambda p: p.stat().st_mtime)
-        if not runs:
-            raise ConfigError(
-                f"no finished training run under {output_dir}/train; train one (python train.py) or pass eval.run=..."
-            )
-        return runs[-1].parent
-    run = Path(value)
-    if not (run / "draft" / "config.json").is_file():
-        raise DataError(
-            f"{run} holds no finished head (no draft/config.json): pass a run folder of a completed "
-            "python train.py, or let it finish (python train.py ckpt_path=last)"
-        )
-    return run
-
-
-def check_run_target(run: Path, cfg: EagletConfig) -> None:
+def check_run_target(run: RunDir, cfg: EagletConfig) -> None:
     """The head must have been trained for the target being evaluated."""
-    composed = run / ".hydra" / "config.yaml"
-    if not composed.is_file():
+    settings = run.settings()
+    if settings is None:
         return
-    trained = OmegaConf.load(composed).model
+    trained = settings.model
     for key in ("name", "hidden_size", "vocab_size"):
         if trained[key] != cfg.model[key]:
             raise ConfigError(
-                f"{run} trained a head for model.{key}={trained[key]}, but this evaluation targets "
+                f"{run.path} trained a head for model.{key}={trained[key]}, but this evaluation targets "
                 f"model.{key}={cfg.model[key]}; pass model={trained['name']} (or another run)"
             )
 
@@ -87,9 +66,9 @@ def load_prompt_set(
     return prompts, overlap
 
 
-def build_proposers(cfg: EagletConfig, run: Path, target: LoadedTarget) -> dict[str, Proposer]:
+def build_proposers(cfg: EagletConfig, run: RunDir, target: LoadedTarget) -> dict[str, Proposer]:
     embed = target.parts.embed_tokens.weight.detach().float().cpu()
-    head, _, aux_ids = load_eagle_draft(run / "draft", embed_tokens=embed)
+    head, _, aux_ids = load_eagle_draft(run.draft_dir, embed_tokens=embed)
     proposers: dict[str, Proposer] = {
         "eaglet": Eagle3Proposer(head.to(target.device), aux_ids),
         "ngram": NgramProposer(min_n=cfg.eval.ngram_min_n, max_n=cfg.eval.ngram_max_n),
@@ -105,9 +84,9 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
     ev = cfg.eval
     if ev.num_spec_tokens < 1:
         raise ConfigError(f"eval.num_spec_tokens must be >= 1, got {ev.num_spec_tokens}")
-    run = resolve_run(ev.run, Path(cfg.paths.output_dir))
-    if not (run / "draft" / "config.json").is_file():
-        raise DataError(f"{run} holds no finished head (no draft/config.json)")
+    run = RunDir.resolve(ev.run, Path(cfg.paths.output_dir))
+    if not run.has_head():
+        raise DataError(f"{run.path} holds no finished head (no draft/config.json)")
     check_run_target(run, cfg)
     target = load_target(cfg.model, device=ev.device, cache_dir=Path(cfg.paths.cache_dir))
     template = resolve_chat_template(
@@ -116,7 +95,7 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
     proposers = build_proposers(cfg, run, target)
     seen = training_prompts(cfg)
     stop_ids = {target.tokenizer.eos_token_id}
-    results: dict[str, Any] = {"run": str(run), "num_spec_tokens": ev.num_spec_tokens, "sets": {}}
+    results: dict[str, Any] = {"run": str(run.path), "num_spec_tokens": ev.num_spec_tokens, "sets": {}}
     for name in ev.sets:
         prompts, overlap = load_prompt_set(cfg, name, target.tokenizer, template, seen)
         per_proposer = evaluate_prompts(
@@ -131,13 +110,13 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
         results["sets"][name] = {"prompts": len(prompts), "overlap_dropped": overlap, "results": per_proposer}
         print(f"\n{name}: {len(prompts)} prompts ({overlap} overlapping training prompts dropped)")
         print(format_table(per_proposer))
-    atomic_write_json(run / RESULTS_FILE, results)
+    atomic_write_json(run.results_file, results)
     return results
 
 
 def serve_commands(run: Path, num_spec_tokens: int) -> str:
     """The exact commands that serve the exported head with vLLM and SGLang."""
-    draft = (run / "draft").resolve()
+    draft = RunDir(run).draft_dir.resolve()
     spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_spec_tokens})
     return (
         f"vllm serve TARGET --speculative-config '{spec}'\n"

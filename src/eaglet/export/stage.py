@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError
-from eaglet.evaluate.draft_loader import load_eagle_draft
-from eaglet.evaluate.stage import resolve_run
-from eaglet.export.speculators_format import export_speculators
-from eaglet.export.validate import check_eagle_folder, check_speculators_folder, export_eagle_checked
+from eaglet.formats.reader import load_eagle_draft
+from eaglet.formats.writer import export_eagle, export_speculators
+from eaglet.run_dir import RunDir
 
 FORMATS = ("eagle", "speculators")
 
@@ -20,16 +17,14 @@ def run_export(cfg: EagletConfig) -> Path:
     ex = cfg.export
     if ex.format not in FORMATS:
         raise ConfigError(f"export.format={ex.format!r}: choose one of {list(FORMATS)}")
-    run = resolve_run(ex.run, Path(cfg.paths.output_dir))
-    head, draft_cfg, aux_ids = load_eagle_draft(run / "draft")
-    out_dir = Path(ex.out_dir) if ex.out_dir else run / f"export-{ex.format}"
+    run = RunDir.resolve(ex.run, Path(cfg.paths.output_dir))
+    head, draft_cfg, aux_ids = load_eagle_draft(run.draft_dir)
+    out_dir = Path(ex.out_dir) if ex.out_dir else run.export_dir(ex.format)
     if ex.format == "eagle":
-        export_eagle_checked(head, draft_cfg, out_dir, aux_layer_ids=aux_ids, overwrite=ex.overwrite)
-        check_eagle_folder(out_dir)
-        return out_dir
-    composed = run / ".hydra" / "config.yaml"
-    ttt_steps = OmegaConf.load(composed).trainer.ttt_steps if composed.is_file() else cfg.trainer.ttt_steps
-    export_speculators(
+        return export_eagle(head, draft_cfg, out_dir, aux_layer_ids=aux_ids, overwrite=ex.overwrite)
+    trained = run.settings()
+    ttt_steps = trained.trainer.ttt_steps if trained is not None else cfg.trainer.ttt_steps
+    return export_speculators(
         head,
         draft_cfg,
         out_dir,
@@ -38,5 +33,3 @@ def run_export(cfg: EagletConfig) -> Path:
         verifier_name_or_path=ex.verifier_name_or_path or cfg.model.path,
         overwrite=ex.overwrite,
     )
-    check_speculators_folder(out_dir)
-    return out_dir

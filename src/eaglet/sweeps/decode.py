@@ -17,11 +17,11 @@ from eaglet.config.schema import EagletConfig
 from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import DataError
 from eaglet.evaluate.acceptance import DecodeStats
-from eaglet.evaluate.draft_loader import load_eagle_draft
 from eaglet.evaluate.metrics import check_lossless
 from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
 from eaglet.evaluate.speculative import greedy_decode, speculative_decode
 from eaglet.evaluate.stage import load_prompt_set, training_prompts
+from eaglet.formats.reader import load_eagle_draft
 from eaglet.sweeps.replay import replay_all, trace_prompt
 from eaglet.target_model import LoadedTarget, load_target
 

@@ -16,13 +16,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
 from rich.console import Console
 
 import eaglet.config  # noqa: F401  (registers the schemas and resolvers)
 from eaglet.config import PROJECT_ROOT
 from eaglet.errors import DataError, EagletError
 from eaglet.fsutil import atomic_write_json
+from eaglet.run_dir import RunDir
 from eaglet.sweeps.collect import Trial, load_trials, newest_sweep
 from eaglet.sweeps.plot import plot_heatmaps
 from eaglet.sweeps.report import Recommendation, Row, build_rows, recommend, rich_table, summary_dict
@@ -45,12 +45,11 @@ def _deployment(trials: list[Trial], model: str | None, hardware: str | None) ->
     """--model / --hardware over what the trials predicted for (their composed config if none finished)."""
     recorded = next((Deployment.from_dict(t.data["serve"]) for t in trials if t.ok), None)
     if recorded is None:
-        composed = next((t.folder / ".hydra" / "config.yaml" for t in trials), None)
-        if composed is None or not composed.is_file():
+        cfg = next((RunDir(t.folder).settings() for t in trials), None)
+        if cfg is None:
             raise DataError(
                 f"{trials[0].folder}: no finished trial and no .hydra/config.yaml to read the target from"
             )
-        cfg = OmegaConf.load(composed)
         recorded = Deployment(cfg.model, cfg.hardware)
     return resolve_deployment(recorded.model, recorded.hardware, model, hardware)
 

@@ -23,6 +23,7 @@ from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError
 from eaglet.extract.pipeline import shard_dir
 from eaglet.fsutil import atomic_write_json
+from eaglet.run_dir import RunDir
 from eaglet.shards import build_vocab_mapping, load_token_counts
 from eaglet.sweeps.launch import adopt_submitit_local_tasks, check_one_process_per_rank
 from eaglet.sweeps.serving import Deployment, predicted_speedups, resolve_deployment
@@ -65,7 +66,7 @@ def measure(cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployme
     sw, tr = cfg.sweep, cfg.trainer
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sim = simulated_curve(
-        run_dir / "draft",
+        RunDir(run_dir).draft_dir,
         shards,
         k_max=sw.max_draft_length,
         target_norm_eps=cfg.model.rms_norm_eps,
@@ -79,7 +80,7 @@ def measure(cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployme
     if sw.tau_source == "decode":
         from eaglet.sweeps.decode import decode_curve
 
-        decode = decode_curve(cfg, run_dir / "draft", sw.max_draft_length)
+        decode = decode_curve(cfg, RunDir(run_dir).draft_dir, sw.max_draft_length)
     taus = (decode or sim)["tau"]
     speedups = predicted_speedups(deployment, cfg.model.draft_vocab_size, taus)
     best = max(range(len(speedups)), key=speedups.__getitem__)

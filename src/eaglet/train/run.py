@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 
 from eaglet.config.schema import DraftConfig, EagletConfig, TrainerConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.export.eagle import export_eagle
 from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
+from eaglet.formats.writer import export_eagle
 from eaglet.fsutil import atomic_write_json
+from eaglet.run_dir import RunDir, resolve_ckpt_path
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.target_model.capture import resolve_aux_layer_ids
 from eaglet.train.datamodule import ShardDataModule
@@ -24,8 +25,6 @@ from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.strategy import build_strategy
 from eaglet.train.tracking import finish_wandb, make_loggers
-
-REPORT_FILE = "report.json"
 
 
 @dataclass
@@ -103,20 +102,6 @@ def build_module(cfg: EagletConfig, manifest: Manifest, total_steps: int) -> Dra
     )
 
 
-def resolve_ckpt_path(value: str | None, output_dir: Path) -> str | None:
-    """`last` = the newest last.ckpt of any earlier training run; otherwise a path (checked)."""
-    if value is None:
-        return None
-    if value == "last":
-        candidates = sorted(output_dir.glob("train/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not candidates:
-            raise ConfigError(f"ckpt_path=last: no earlier run under {output_dir}/train has a last.ckpt")
-        return str(candidates[-1])
-    if not Path(value).is_file():
-        raise ConfigError(f"ckpt_path={value}: no such checkpoint file")
-    return value
-
-
 def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = True) -> TrainSummary | None:
     """Train, select by val/tau_sim, export; the summary on rank 0 (None on other ranks).
 
@@ -124,6 +109,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     measurements there, then closes it); a failed run is closed as failed either way.
     """
     start = time.perf_counter()
+    run = RunDir(run_dir)
     tr = cfg.trainer
     if tr.ttt_steps < 1:
         raise ConfigError(f"trainer.ttt_steps must be >= 1, got {tr.ttt_steps}")
@@ -156,7 +142,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
 
     checkpoint = ModelCheckpoint(
-        dirpath=run_dir / "checkpoints",
+        dirpath=run.checkpoints_dir,
         filename="best-step{step}",
         auto_insert_metric_name=False,
         monitor="val/tau_sim",
@@ -165,7 +151,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     )
     # Refreshes last.ckpt between validations, so a killed run resumes close to where it stopped.
     periodic = ModelCheckpoint(
-        dirpath=run_dir / "checkpoints",
+        dirpath=run.checkpoints_dir,
         save_last=True,
         save_top_k=0,
         every_n_train_steps=tr.checkpoint_every_n_steps,
@@ -194,7 +180,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             enable_model_summary=False,
         )
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-        last = run_dir / "checkpoints" / "last.ckpt"
+        last = run.last_checkpoint
         trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the periodic interval
         # Final numbers are those of the selected (best val/tau_sim) checkpoint, loaded by the strategy
         # (under FSDP the module in hand holds shards, not whole tensors).
@@ -219,8 +205,9 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     export_dir = export_eagle(
         selected.head,
         DraftConfig(**OmegaConf.to_container(cfg.model.draft, resolve=True)),
-        run_dir / "draft",
+        run.draft_dir,
         aux_layer_ids=manifest.aux_layer_ids,
+        overwrite=True,  # a run trained again into its folder (a pinned hydra.run.dir) replaces its head
     )
     summary = TrainSummary(
         run_dir=str(run_dir),
@@ -236,5 +223,5 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         export_dir=str(export_dir),
         seconds=time.perf_counter() - start,
     )
-    atomic_write_json(run_dir / REPORT_FILE, asdict(summary))
+    atomic_write_json(run.report_file, asdict(summary))
     return summary

@@ -1,6 +1,7 @@
 """The speculators format: config.json + model.safetensors, as `speculators` (0.9.0) saves and loads an EAGLE-3 draft.
 
-vLLM serves this format too (SGLang does not: export the EAGLE format for it, `eaglet.export.eagle`).
+vLLM serves this format too (SGLang does not: export the EAGLE format for it, `eaglet.formats.eagle`).
+The writer is `eaglet.formats.writer`, the check `eaglet.formats.contract`.
 
 - config.json: `speculators_model_type: "eagle3"`, `architectures: ["Eagle3DraftModel"]`,
   `transformer_layer_config` (a LlamaConfig dict of the one draft layer; its `vocab_size` is the target's V),
@@ -22,17 +23,12 @@ vLLM serves this format too (SGLang does not: export the EAGLE format for it, `e
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from eaglet.config.schema import DraftConfig
-from eaglet.errors import ConfigError, DataError
-from eaglet.export.eagle import contract_problems, expected_shapes
-from eaglet.fsutil import atomic_output, atomic_write_bytes
+from eaglet.formats.eagle import expected_shapes, llama_layer_config
 from eaglet.model.draft_head import Eagle3DraftHead
 
 # The speculators release whose loader this layout is tested against (tests/test_export.py).
@@ -70,22 +66,10 @@ def expected_speculators_shapes(head: Eagle3DraftHead, cfg: DraftConfig) -> dict
 def transformer_layer_config(head: Eagle3DraftHead, cfg: DraftConfig) -> dict[str, Any]:
     """The LlamaConfig fields of the draft layer; RoPE both as `rope_parameters` (transformers 5) and `rope_theta`."""
     return {
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
+        **llama_layer_config(head, cfg),
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": head.t2d.numel(),
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
     }
 
 
@@ -126,82 +110,3 @@ def speculators_config(
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": [target_architecture]},
         },
     }
-
-
-def refuse_non_empty(out_dir: Path, *, overwrite: bool) -> None:
-    """Fail unless `out_dir` is absent, an empty folder, or `overwrite` allows replacing what is there."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"export folder {out_dir} is a file; choose a folder path")
-    if overwrite or not out_dir.exists():
-        return
-    present = sorted(p.name for p in out_dir.iterdir())
-    if present:
-        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
-        raise ConfigError(
-            f"export folder {out_dir} is not empty ({shown}); choose an empty folder or pass export.overwrite=true "
-            "to replace config.json and model.safetensors there"
-        )
-
-
-def _check_exportable(
-    head: Eagle3DraftHead, cfg: DraftConfig, aux_layer_ids: list[int], ttt_steps: int
-) -> None:
-    if head.target_hidden_size != cfg.hidden_size:
-        raise ConfigError(
-            f"the target hidden size {head.target_hidden_size} differs from the draft's {cfg.hidden_size}; "
-            "speculators' Eagle3DraftModel needs them equal (export the EAGLE format instead)"
-        )
-    if len(aux_layer_ids) != head.num_aux:
-        raise ConfigError(
-            f"aux_layer_ids has {len(aux_layer_ids)} ids {list(aux_layer_ids)}, the head fuses {head.num_aux} "
-            "aux states; pass the ids the head was trained on (the shard manifest's aux_layer_ids)"
-        )
-    if ttt_steps < 1:
-        raise ConfigError(f"ttt_steps (speculative tokens) must be >= 1, got {ttt_steps}")
-
-
-def export_speculators(
-    head: Eagle3DraftHead,
-    cfg: DraftConfig,
-    out_dir: Path,
-    *,
-    aux_layer_ids: list[int],
-    target_architecture: str = "LlamaForCausalLM",
-    ttt_steps: int,
-    verifier_name_or_path: str | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    overwrite: bool = False,
-) -> Path:
-    """Write the head as a speculators-format folder; refuses tensors that break its name/shape contract.
-
-    `verifier_name_or_path` (the target's hub id or folder) is what speculators' loader needs (see the module
-    docstring); null is what speculators itself writes for a draft built without one. `overwrite` allows a
-    non-empty `out_dir` (config.json and model.safetensors are replaced atomically; other files are left).
-    """
-    _check_exportable(head, cfg, aux_layer_ids, ttt_steps)
-    refuse_non_empty(out_dir, overwrite=overwrite)
-    state = {speculators_name(name): t.detach().cpu() for name, t in head.state_dict().items()}
-    if not uses_draft_vocab(head):
-        for name in VOCAB_BUFFERS:
-            state.pop(name, None)
-    expected = expected_speculators_shapes(head, cfg)
-    problems = contract_problems(state, expected)
-    if problems:
-        raise DataError(
-            f"refusing to export a head that breaks the speculators contract: {'; '.join(problems)}"
-        )
-    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in state.items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_output(out_dir / "model.safetensors") as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-    config = speculators_config(
-        head,
-        cfg,
-        aux_layer_ids=aux_layer_ids,
-        target_architecture=target_architecture,
-        ttt_steps=ttt_steps,
-        verifier_name_or_path=verifier_name_or_path,
-        dtype=dtype,
-    )
-    atomic_write_bytes(out_dir / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    return out_dir

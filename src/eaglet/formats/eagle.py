@@ -1,16 +1,16 @@
-"""The EAGLE serving format that vLLM and SGLang load: config.json + model.safetensors (EAGLE3.md section 4)."""
+"""The EAGLE serving format that vLLM and SGLang load: config.json + model.safetensors (EAGLE3.md section 4).
+
+What the format holds for a head: its tensor names and shapes, and its config.json (a LlamaConfig of the one
+draft layer plus the EAGLE fields). The writer is `eaglet.formats.writer`, the check `eaglet.formats.contract`.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from eaglet.config.schema import DraftConfig
-from eaglet.errors import DataError
-from eaglet.fsutil import atomic_output, atomic_write_bytes
 from eaglet.model.draft_head import Eagle3DraftHead
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -45,26 +45,11 @@ def expected_shapes(
     return shapes
 
 
-def contract_problems(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Unexpected, missing and mis-shaped tensors of `state` against the expected names and shapes."""
-    problems = [f"unexpected tensor {n}" for n in state if n not in expected]
-    problems += [f"missing tensor {n}" for n in expected if n not in state]
-    problems += [
-        f"{n}: shape {tuple(state[n].shape)}, expected {shape}"
-        for n, shape in expected.items()
-        if n in state and tuple(state[n].shape) != shape
-    ]
-    return problems
-
-
-def eagle_config(
-    head: Eagle3DraftHead, cfg: DraftConfig, aux_layer_ids: list[int], dtype: torch.dtype = torch.bfloat16
-) -> dict:
+def llama_layer_config(head: Eagle3DraftHead, cfg: DraftConfig) -> dict[str, Any]:
+    """The LlamaConfig fields of the one draft layer; its `vocab_size` is the target's V. Both formats hold it."""
     return {
-        "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
-        "target_hidden_size": head.target_hidden_size,
         "num_hidden_layers": 1,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
@@ -74,8 +59,19 @@ def eagle_config(
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": False,
         "vocab_size": head.t2d.numel(),
+        "tie_word_embeddings": False,
+    }
+
+
+def eagle_config(
+    head: Eagle3DraftHead, cfg: DraftConfig, aux_layer_ids: list[int], dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
+    """config.json of the EAGLE format: the layer's LlamaConfig plus the head's own fields."""
+    return {
+        "architectures": [ARCHITECTURE],
+        **llama_layer_config(head, cfg),
+        "target_hidden_size": head.target_hidden_size,
         "draft_vocab_size": head.d2t.numel(),
         "norm_before_residual": cfg.norm_before_residual,
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -85,29 +81,3 @@ def eagle_config(
             "use_aux_hidden_state": True,
         },
     }
-
-
-def export_eagle(
-    head: Eagle3DraftHead,
-    cfg: DraftConfig,
-    out_dir: Path,
-    *,
-    aux_layer_ids: list[int],
-    include_embed: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Path:
-    """Write the head as an EAGLE-format folder; refuses tensors that break the name/shape contract."""
-    state = {name: t.detach().cpu() for name, t in head.state_dict().items()}
-    if not include_embed:
-        state.pop("embed_tokens.weight", None)
-    expected = expected_shapes(head, cfg, include_embed=include_embed)
-    problems = contract_problems(state, expected)
-    if problems:
-        raise DataError(f"refusing to export a head that breaks the serving contract: {'; '.join(problems)}")
-    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in state.items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_output(out_dir / "model.safetensors") as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-    config = eagle_config(head, cfg, aux_layer_ids, dtype)
-    atomic_write_bytes(out_dir / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    return out_dir

@@ -1,4 +1,4 @@
-"""Load an EAGLE-3 draft head from an EAGLE-format folder (config.json + model.safetensors, EAGLE3.md section 4).
+"""Load an EAGLE-3 draft head from a serving-format folder (config.json + model.safetensors, EAGLE3.md section 4).
 
 Tensor names go through the mapping servers apply: a leading `model.` is stripped and `layers.0.` (other
 exporters, vLLM's internal name) becomes our `midlayer.`. Unknown and missing names fail, since a server that
@@ -18,10 +18,9 @@ from torch import Tensor
 
 from eaglet.config.schema import DraftConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.export.validate import read_json_object
+from eaglet.formats.folder import CONFIG_FILE, WEIGHTS_FILE, read_json_object
 from eaglet.model.draft_head import Eagle3DraftHead
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 _REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 

@@ -2,13 +2,12 @@
 
 `check_eagle_folder` and `check_speculators_folder` read config.json and the tensor headers of
 model.safetensors (and the small d2t/t2d), rebuild the expected names and shapes from the config alone, and
-raise one `DataError` listing every unknown, missing or mis-shaped tensor and every bad config field.
-`eagle_server_names` replays the name mapping vLLM applies to an EAGLE-format file, plus SGLang's constraint.
+raise one `DataError` listing every unknown, missing or mis-shaped tensor and every bad config field. An
+EAGLE-format folder's tensor names also go through `eaglet.formats.server_names`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,12 @@ from safetensors import SafetensorError, safe_open
 
 from eaglet.config.schema import DraftConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.export import eagle
-from eaglet.export.speculators_format import (
-    ALGORITHM,
-    EAGLE_LAYER_PREFIX,
-    LAYER_PREFIX,
-    expected_speculators_shapes,
-    refuse_non_empty,
-)
+from eaglet.formats import eagle
+from eaglet.formats.folder import CONFIG_FILE, WEIGHTS_FILE, read_json_object
+from eaglet.formats.server_names import eagle_server_names
+from eaglet.formats.speculators import ALGORITHM, expected_speculators_shapes
 from eaglet.model.draft_head import Eagle3DraftHead
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 # safetensors dtype codes of the vocab buffers; every other tensor must be floating point.
 INT_DTYPES = {"d2t": "I64", "t2d": "BOOL"}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -42,20 +36,6 @@ _DIMS = (
     "intermediate_size",
     "vocab_size",
 )
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise DataError(
-            f"{path} does not exist; point at an exported draft folder (config.json + model.safetensors)"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON (line {e.lineno}): {e.msg}") from e
-    if not isinstance(config, dict):
-        raise DataError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
 
 
 def _read_tensor_headers(
@@ -243,7 +223,7 @@ def _check_speculators_config(spec: Any, where: str) -> list[str]:
 
 
 def check_speculators_folder(folder: Path) -> dict[str, Any]:
-    """Check a speculators-format folder (see `eaglet.export.speculators_format`); return its config."""
+    """Check a speculators-format folder (see `eaglet.formats.speculators`); return its config."""
     where = f"{CONFIG_FILE}: "
     config = read_json_object(folder / CONFIG_FILE)
     problems = []
@@ -288,126 +268,8 @@ def check_speculators_folder(folder: Path) -> dict[str, Any]:
     head, cfg = _meta_head(dims, config, aux_ids, folder)
     path = folder / WEIGHTS_FILE
     shapes, dtypes, vocab = _read_tensor_headers(path)
-    # Every tensor is required: speculators does not reliably fill a missing embed_tokens (speculators_format).
+    # Every tensor is required: speculators does not reliably fill a missing embed_tokens (formats.speculators).
     problems = _check_tensors(path, expected_speculators_shapes(head, cfg), (), shapes, dtypes)
     problems += _check_vocab_map(vocab, dims["vocab_size"])
     _raise(folder, "speculators-format", problems)
     return config
-
-
-# vLLM's Eagle3LlamaForCausalLM parameters an EAGLE file loads into, with the shards of its stacked ones.
-VLLM_PARAMS: dict[str, tuple[str | int, ...]] = {
-    "model.embed_tokens.weight": (),
-    "model.fc.weight": (),
-    "model.layers.0.input_layernorm.weight": (),
-    "model.layers.0.hidden_norm.weight": (),
-    "model.layers.0.self_attn.qkv_proj.weight": ("q", "k", "v"),
-    "model.layers.0.self_attn.o_proj.weight": (),
-    "model.layers.0.post_attention_layernorm.weight": (),
-    "model.layers.0.mlp.gate_up_proj.weight": (0, 1),
-    "model.layers.0.mlp.down_proj.weight": (),
-    "model.norm.weight": (),
-    "lm_head.weight": (),
-    "draft_id_to_target_id": (),
-}
-_STACKED = {
-    ".q_proj.": (".qkv_proj.", "q"),
-    ".k_proj.": (".qkv_proj.", "k"),
-    ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
-
-
-def _vllm_target(name: str) -> tuple[str, str | int | None] | None:
-    """(parameter, shard) vLLM loads `name` into; None for names it drops (t2d)."""
-    if name == "t2d":
-        return None
-    if name == "d2t":
-        return "draft_id_to_target_id", None
-    param = (
-        name if name.startswith("lm_head.") else "model." + name.replace(EAGLE_LAYER_PREFIX, LAYER_PREFIX, 1)
-    )
-    for part, (stacked, shard) in _STACKED.items():
-        if part in param:
-            return param.replace(part, stacked), shard
-    return param, None
-
-
-def eagle_server_names(
-    names: Iterable[str], *, vocab_size: int, draft_vocab_size: int
-) -> dict[str, str | None]:
-    """Map each tensor name of an EAGLE-format file to the vLLM parameter it loads into; fail on any name a
-    server would drop, misplace or miss.
-
-    vLLM (`Eagle3LlamaForCausalLM.load_weights` in `llama_eagle3.py`): drops names containing `t2d`; renames
-    `d2t` to the top-level `draft_id_to_target_id`; keeps `lm_head.*`; prefixes every other name with
-    `model.`; then its `LlamaModel.load_weights` replaces `midlayer.` by `layers.0.`, stacks `q/k/v_proj` into
-    `qkv_proj` (shards q, k, v) and `gate/up_proj` into `gate_up_proj` (shards 0, 1), and looks the result up
-    among its parameters: an unknown name raises, but a missing one goes unnoticed (no `d2t` silently keeps the
-    identity map; no `embed_tokens` shares the target's, which is fine).
-    SGLang (`LlamaForCausalLMEagle3.load_weights`) names the layer `midlayer` itself, turns `d2t` into its hot
-    token ids, drops `t2d`, and silently skips every name it does not know. So a file both serve uses the
-    `midlayer.` names without a `model.` prefix: a `layers.0.` or `model.` name loads in one server and is
-    skipped (random weights) or fails in the other.
-
-    Returns {file name: "param" or "param[shard]", or None for t2d}. `embed_tokens` is optional; `d2t` is
-    required when the draft vocab is smaller than the target's.
-    """
-    mapping: dict[str, str | None] = {}
-    loaded: dict[str, set] = {}
-    problems = []
-    for name in sorted(names):
-        if name.startswith("model."):
-            problems.append(f"{name}: drop the `model.` prefix (vLLM would look up model.{name})")
-            continue
-        if name.startswith(LAYER_PREFIX):
-            problems.append(
-                f"{name}: name it {EAGLE_LAYER_PREFIX}{name.removeprefix(LAYER_PREFIX)} (SGLang skips it)"
-            )
-            continue
-        target = _vllm_target(name)
-        if target is None:
-            mapping[name] = None
-            continue
-        param, shard = target
-        if param not in VLLM_PARAMS or (shard is not None and shard not in VLLM_PARAMS[param]):
-            problems.append(f"{name}: unknown to the servers (vLLM has no parameter {param})")
-            continue
-        loaded.setdefault(param, set()).add(shard)
-        mapping[name] = param if shard is None else f"{param}[{shard}]"
-    optional = {"model.embed_tokens.weight"}
-    if draft_vocab_size == vocab_size:
-        optional.add("draft_id_to_target_id")
-    for param, shards in VLLM_PARAMS.items():
-        missing = set(shards or (None,)) - loaded.get(param, set())
-        if param in loaded or param not in optional:
-            problems += [
-                f"nothing loads {param}" + (f"[{s}]" if s is not None else "")
-                for s in sorted(missing, key=str)
-            ]
-    if problems:
-        raise DataError(
-            f"EAGLE-format tensor names the servers would not load as intended: {'; '.join(problems)}"
-        )
-    return mapping
-
-
-def export_eagle_checked(
-    head: Eagle3DraftHead,
-    cfg: DraftConfig,
-    out_dir: Path,
-    *,
-    aux_layer_ids: list[int],
-    include_embed: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
-    overwrite: bool = False,
-) -> Path:
-    """`eaglet.export.eagle.export_eagle` into an empty folder (or over one, with `overwrite`), then re-read
-    and check what was written."""
-    refuse_non_empty(out_dir, overwrite=overwrite)
-    eagle.export_eagle(
-        head, cfg, out_dir, aux_layer_ids=aux_layer_ids, include_embed=include_embed, dtype=dtype
-    )
-    check_eagle_folder(out_dir)
-    return out_dir
