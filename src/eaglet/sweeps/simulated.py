@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from eaglet.evaluate.draft_loader import load_eagle_draft
-from eaglet.extract.pipeline import TARGET_HEAD_FILE
+from eaglet.shards import TARGET_HEAD_FILE
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.ttt import ttt_forward
 
