@@ -9,8 +9,8 @@ import hydra
 import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
 from eaglet.config.schema import EagletConfig
-from eaglet.extract.pipeline import run_extraction
 from eaglet.extract.report import print_summary
+from eaglet.extract.stage import run_extraction
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

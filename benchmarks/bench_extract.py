@@ -25,10 +25,10 @@ from hydra import compose, initialize_config_dir
 
 import eaglet.config
 from eaglet.data.templating import TokenizedConversation
-from eaglet.extract.pipeline import forward_batch
-from eaglet.extract.plan import bytes_per_token, plan_batches
+from eaglet.extract.plan import plan_batches
+from eaglet.extract.transformers_backend import forward_batch
 from eaglet.extract.writer import ShardWriterPool
-from eaglet.shards import MANIFEST_VERSION, Manifest
+from eaglet.shards import MANIFEST_VERSION, Manifest, bytes_per_token
 from eaglet.target_model import load_target, resolve_aux_layer_ids
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"

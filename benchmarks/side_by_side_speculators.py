@@ -60,13 +60,13 @@ from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate import Eagle3Proposer, NgramProposer, evaluate_prompts
 from eaglet.evaluate.stage import load_prompt_set, training_prompts
-from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
 from eaglet.formats.reader import canonical_name
 from eaglet.formats.speculators import VOCAB_BUFFERS, speculators_config, speculators_name
 from eaglet.formats.writer import export_eagle
 from eaglet.model.attention import document_causal_mask
 from eaglet.model.draft_head import Eagle3DraftHead
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
+from eaglet.shards.layout import TARGET_HEAD_FILE, shard_dir
 from eaglet.target_model import load_target
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
@@ -426,7 +426,7 @@ def evaluate_heads(
 def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Build, train, convert, check and evaluate; returns {"sets", "training", "conversion_diff", ...}."""
     cfg = compose_config(opts, overrides)
-    shards = shard_dir(cfg)
+    shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
     manifest = read_manifest(shards)
     if not manifest.complete:
         raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")

@@ -1,12 +1,15 @@
 """Loading and validating JSONL conversations."""
 
+import functools
 import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from eaglet.config.schema import DatasetConfig, EvalSetConfig
 from eaglet.data.conversations import Conversation, Turn, load_conversations, read_jsonl_conversations
+from eaglet.data.dataset import load_dataset
 from eaglet.errors import ConfigError, DataError
 
 OASST = Path("/work/shared/data/oasst_en100.jsonl")
@@ -205,3 +208,30 @@ def test_real_multi_turn_file():
     assert [c.line for c in conversations] == list(range(1, 96))
     with OASST.open(encoding="utf-8") as handle:
         assert [json.loads(line) for line in handle] == [c.to_json() for c in conversations]
+
+
+def test_dataset_spans_its_files_holds_out_eval_prompts_and_is_capped(tmp_path):
+    def chat(cid: str, prompt: str) -> dict:
+        return {
+            "id": cid,
+            "conversations": [{"role": "user", "content": prompt}, {"role": "assistant", "content": "ok"}],
+        }
+
+    a = write_jsonl(
+        tmp_path / "a.jsonl", chat("a-0", "Hello there"), chat("a-1", "What is 2+2?"), record("a-2", "user")
+    )
+    b = write_jsonl(tmp_path / "b.jsonl", chat("b-0", "Name a colour"))
+    held = write_jsonl(
+        tmp_path / "eval.jsonl", {"id": "e", "conversations": [{"role": "user", "content": "what is  2+2?"}]}
+    )
+    sets = {"math": EvalSetConfig(path=str(held), count=1)}
+    dataset = DatasetConfig(name="d", paths=[str(a), str(b)], holdout_eval_sets=True)
+    read = functools.partial(load_dataset, require_assistant=True, strict=False, held_out_sets=sets)
+    conversations, no_assistant = read(dataset, max_conversations=None)
+    assert [c.id for c in conversations] == ["a-0", "b-0"] and no_assistant == 1
+    assert [c.id for c in read(dataset, max_conversations=1)[0]] == ["a-0"]
+    kept = DatasetConfig(name="d", paths=[str(a), str(b)], max_records_per_file=2)
+    assert [c.id for c in read(kept, max_conversations=None)[0]] == ["a-0", "a-1", "b-0"]
+    twice = DatasetConfig(name="d", paths=[str(a), str(a)])
+    with pytest.raises(DataError, match="also appears at"):
+        read(twice, max_conversations=None)

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 
 from eaglet.config import PROJECT_ROOT
 from eaglet.errors import ConfigError, DataError
-from eaglet.extract.pipeline import TARGET_HEAD_FILE, run_extraction
+from eaglet.extract.stage import run_extraction
 from eaglet.shards import ShardReader, load_token_counts, read_manifest
+from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.target_model import load_target
 
 SHARED = PROJECT_ROOT.parent / "shared" / "data"

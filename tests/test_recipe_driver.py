@@ -60,9 +60,7 @@ def test_unknown_option_is_named() -> None:
 
 
 def _driver_module():
-    spec = importlib.util.spec_from_file_location(
-        "smollm2_gpu", PROJECT_ROOT / "recipes" / "smollm2_gpu.py"
-    )
+    spec = importlib.util.spec_from_file_location("smollm2_gpu", PROJECT_ROOT / "recipes" / "smollm2_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -390,7 +390,7 @@ def test_a_killed_run_resumes_without_asking_again(server, tmp_path: Path) -> No
 @pytest.mark.e2e
 def test_extraction_regenerates_through_the_endpoint(compose, server, tmp_path: Path) -> None:
     """The user's command: extract.regenerate.endpoint=... makes the extraction stage ask the server."""
-    from eaglet.extract.pipeline import run_extraction
+    from eaglet.extract.stage import run_extraction
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(c.to_json()) + "\n" for c in CONVERSATIONS))

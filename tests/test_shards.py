@@ -19,8 +19,10 @@ from eaglet.shards import (
     Manifest,
     SequenceFeatures,
     ShardReader,
+    bytes_per_token,
     dtype_name,
     read_manifest,
+    shard_dir,
     shard_name,
     write_manifest,
     write_shard,
@@ -115,6 +117,12 @@ def test_shard_info_and_bytes_per_token(tmp_path: Path) -> None:
     index_bytes = 8 * (len(sequences) + 1) + 8 * len(sequences)  # seq_offsets + sample_ids
     assert info.bytes == 8 + header_len + index_bytes + info.num_tokens * per_token
     assert header_len < 1024
+
+
+def test_layout_of_a_shard_folder(tmp_path: Path) -> None:
+    assert shard_dir(tmp_path, "tiny_llama", "jsonl") == tmp_path / "shards" / "tiny_llama" / "jsonl"
+    assert shard_dir(tmp_path, "tiny_llama", "jsonl", output_dir=tmp_path / "mine") == tmp_path / "mine"
+    assert bytes_per_token(N_AUX, H, 2) == (N_AUX + 1) * H * 2 + 5
 
 
 def test_rewrite_is_byte_identical(tmp_path: Path) -> None:

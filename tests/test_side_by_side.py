@@ -15,8 +15,8 @@ from test_train import data_overrides, shards  # noqa: F401  (module fixture: sh
 
 from eaglet.config import PROJECT_ROOT
 from eaglet.errors import ConfigError
-from eaglet.extract.pipeline import TARGET_HEAD_FILE
 from eaglet.shards import build_vocab_mapping, load_token_counts, read_manifest
+from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.run import build_module, optimizer_steps

@@ -342,7 +342,7 @@ def smol_shards(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> 
     from hydra.core.global_hydra import GlobalHydra
 
     import eaglet.config
-    from eaglet.extract.pipeline import run_extraction
+    from eaglet.extract.stage import run_extraction
 
     out = tmp_path_factory.mktemp("smol-shards")
     with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):

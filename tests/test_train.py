@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from eaglet.config import PROJECT_ROOT
 from eaglet.errors import ConfigError, DataError
-from eaglet.extract.pipeline import run_extraction
+from eaglet.extract.stage import run_extraction
 from eaglet.train.run import resolve_ckpt_path, run_training
 
 SHARED = PROJECT_ROOT.parent / "shared" / "data"

@@ -43,9 +43,9 @@ from eaglet.config import PROJECT_ROOT
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.templating import tokenize_conversation
 from eaglet.errors import ConfigError, DataError
-from eaglet.extract.pipeline import TARGET_HEAD_FILE, run_extraction
+from eaglet.extract.stage import extraction_job, run_extraction
 from eaglet.extract.vllm import checkpoint, version
-from eaglet.extract.vllm.launch import engine_kwargs, resolve_launch, serve_command
+from eaglet.extract.vllm.launch import LaunchPlan, engine_kwargs, resolve_launch, serve_command
 from eaglet.extract.vllm.layers import LayerLayout
 from eaglet.extract.vllm.request_file import (
     AlignmentError,
@@ -54,6 +54,7 @@ from eaglet.extract.vllm.request_file import (
     tokenization_mismatch,
 )
 from eaglet.shards import ShardReader, load_token_counts, read_manifest
+from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.target_model import capture_hidden_states, config_hash, find_target_parts, load_tokenizer
 
 SHARED = PROJECT_ROOT.parent / "shared" / "data"
@@ -440,13 +441,17 @@ def test_kimi_k2_5_config_has_the_true_dimensions(compose) -> None:
 # --------------------------------------------------------------------------- engine arguments and serve command
 
 
+def launch_plan(cfg, layout: LayerLayout) -> LaunchPlan:
+    return resolve_launch(extraction_job(cfg), layout, devices=cfg.hardware.devices, seed=cfg.seed)
+
+
 def kimi_cfg(compose, *extra: str):
     return compose("model=kimi_k2_5", "model.path=/models/Kimi-K2.5", "extract.backend=vllm", *extra)
 
 
 def test_engine_kwargs_for_kimi_on_eight_pcie_gpus(compose) -> None:
     cfg = kimi_cfg(compose, "hardware=rtx_pro6000_x8")
-    kwargs = engine_kwargs(resolve_launch(cfg, LayerLayout.for_target([2, 30, 58], 61)))
+    kwargs = engine_kwargs(launch_plan(cfg, LayerLayout.for_target([2, 30, 58], 61)))
     assert kwargs == {
         "model": "/models/Kimi-K2.5",
         "trust_remote_code": False,
@@ -486,7 +491,7 @@ def test_engine_kwargs_follow_overrides_and_dense_targets(compose) -> None:
         "model.tokenizer_path=/models/tok",
         "extract.vllm.storage_dir=/scratch/hs",
     )
-    kwargs = engine_kwargs(resolve_launch(cfg, LayerLayout.for_target([2, 30, 58], 61)))
+    kwargs = engine_kwargs(launch_plan(cfg, LayerLayout.for_target([2, 30, 58], 61)))
     assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"]) == (4, False)
     assert (kwargs["max_model_len"], kwargs["max_num_batched_tokens"]) == (8192, 16384)
     assert kwargs["trust_remote_code"] is True and kwargs["tokenizer"] == "/models/tok"
@@ -494,17 +499,17 @@ def test_engine_kwargs_follow_overrides_and_dense_targets(compose) -> None:
     dense = compose(
         "model=llama3_1_8b", "model.path=/m/llama", "hardware=h200_x1", "extract.max_length=32768"
     )
-    kwargs = engine_kwargs(resolve_launch(dense, LayerLayout.for_target([2, 16, 29], 32)))
+    kwargs = engine_kwargs(launch_plan(dense, LayerLayout.for_target([2, 16, 29], 32)))
     assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"]) == (1, False)
     # chunked prefill is off: one step must hold the longest prompt, beyond extract.batch_tokens (16384)
     assert kwargs["max_model_len"] == kwargs["max_num_batched_tokens"] == 32769
     with pytest.raises(ConfigError, match="must exceed extract.max_length"):
-        resolve_launch(
+        launch_plan(
             compose("model=llama3_1_8b", "model.path=/m", "extract.vllm.max_model_len=2048"),
             LayerLayout.for_target([2], 32),
         )
     with pytest.raises(ConfigError, match="model.source=path model.path="):
-        resolve_launch(compose(), LayerLayout.for_target([2], 30))  # the embedded GGUF default
+        launch_plan(compose(), LayerLayout.for_target([2], 30))  # the embedded GGUF default
 
 
 def test_printed_serve_command(compose) -> None:
@@ -514,7 +519,7 @@ def test_printed_serve_command(compose) -> None:
         "model.trust_remote_code=true",
         "extract.vllm.storage_dir=/scratch/hs",
     )
-    plan = resolve_launch(cfg, LayerLayout.for_target([2, 30, 58], 61))
+    plan = launch_plan(cfg, LayerLayout.for_target([2, 30, 58], 61))
     command = serve_command(plan, "http://gpu-box:8000/v1")
     assert command == (
         "vllm serve /models/Kimi-K2.5 --port 8000 --trust-remote-code --dtype auto --seed 0 "
@@ -747,7 +752,7 @@ def test_engine_backend_builds_llm_from_the_config(
     cfg = compose(*args)
     summary = run_extraction(cfg)
     assert len(StubLLM.made) == 1  # started once, lazily
-    assert StubLLM.made[0] == engine_kwargs(resolve_launch(cfg, LayerLayout.for_target([2, 3, 3], 6)))
+    assert StubLLM.made[0] == engine_kwargs(launch_plan(cfg, LayerLayout.for_target([2, 3, 3], 6)))
     assert summary.sequences == len(ShardReader(tmp_path / "out", verify=True)) == 4
 
 

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
-from eaglet.data.regenerate import RegenerateStats
+from eaglet.data.regenerate_stats import RegenerateStats
 from eaglet.data.regenerated import append_finished, kept_turns, prompt_hash, read_finished, user_turn_groups
 from eaglet.data.templating import THINKING_VARIABLES, build_prompt_ids
 from eaglet.errors import ConfigError, EagletError

@@ -8,12 +8,12 @@ from typing import Any
 
 from eaglet.config.schema import EagletConfig
 from eaglet.data.conversations import load_conversations
+from eaglet.data.dataset import load_dataset
 from eaglet.data.holdout import normalise_prompt
 from eaglet.data.templating import build_prompt_ids, chat_template_variables, resolve_chat_template
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate.metrics import evaluate_prompts, format_table
 from eaglet.evaluate.proposers import Eagle3Proposer, NgramProposer, Proposer
-from eaglet.extract.pipeline import load_dataset
 from eaglet.formats.reader import load_eagle_draft
 from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir
@@ -36,7 +36,13 @@ def check_run_target(run: RunDir, cfg: EagletConfig) -> None:
 
 def training_prompts(cfg: EagletConfig) -> set[str]:
     """Normalised user turns of the training dataset, to keep evaluation prompts apart from them."""
-    conversations, _ = load_dataset(cfg)
+    conversations, _ = load_dataset(
+        cfg.dataset,
+        require_assistant=not cfg.extract.regenerate.enabled,
+        strict=cfg.extract.strict,
+        max_conversations=cfg.extract.max_conversations,
+        held_out_sets=cfg.eval.set_defs,
+    )
     return {normalise_prompt(t.content) for c in conversations for t in c.turns if t.role == "user"}
 
 

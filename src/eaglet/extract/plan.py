@@ -37,8 +37,3 @@ def plan_batches(lengths: Sequence[int], indices: Sequence[int], batch_tokens: i
     if current:
         batches.append(current)
     return batches
-
-
-def bytes_per_token(num_aux: int, hidden_size: int, itemsize: int) -> int:
-    """Stored bytes of one token: aux + last hidden states, plus int32 id and uint8 mask."""
-    return (num_aux + 1) * hidden_size * itemsize + 5

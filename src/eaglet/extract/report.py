@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from eaglet.extract.pipeline import ExtractSummary
+from eaglet.extract.core import ExtractSummary
 from eaglet.fsutil import human_bytes
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from eaglet.config.schema import HardwareConfig, ModelConfig
 from eaglet.errors import ConfigError
-from eaglet.extract.plan import bytes_per_token
+from eaglet.shards import bytes_per_token
 
 # Bytes per element of the dtypes eaglet.shards.format.STORED_DTYPES accepts.
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -1,4 +1,5 @@
-"""On-disk feature shards: writing, the manifest, memory-mapped reading, and the draft-vocab mapping."""
+"""On-disk feature shards: the folder layout, writing, the manifest, memory-mapped reading, and the draft-vocab
+mapping."""
 
 from eaglet.shards.format import (
     STORED_DTYPES,
@@ -8,6 +9,7 @@ from eaglet.shards.format import (
     shard_name,
     write_shard,
 )
+from eaglet.shards.layout import TARGET_HEAD_FILE, bytes_per_token, shard_dir
 from eaglet.shards.manifest import MANIFEST_FILE, MANIFEST_VERSION, Manifest, read_manifest, write_manifest
 from eaglet.shards.reader import ShardReader
 from eaglet.shards.vocab import (
@@ -22,17 +24,20 @@ __all__ = [
     "MANIFEST_FILE",
     "MANIFEST_VERSION",
     "STORED_DTYPES",
+    "TARGET_HEAD_FILE",
     "TOKEN_COUNTS_FILE",
     "Manifest",
     "SequenceFeatures",
     "ShardInfo",
     "ShardReader",
     "build_vocab_mapping",
+    "bytes_per_token",
     "count_tokens",
     "dtype_name",
     "load_token_counts",
     "read_manifest",
     "save_token_counts",
+    "shard_dir",
     "shard_name",
     "write_manifest",
     "write_shard",

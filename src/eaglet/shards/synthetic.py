@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.config.schema import ModelConfig
-from eaglet.extract.pipeline import TARGET_HEAD_FILE
 from eaglet.fsutil import atomic_output
 from eaglet.shards.format import SequenceFeatures, write_shard
+from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.shards.manifest import MANIFEST_VERSION, Manifest, write_manifest
 from eaglet.shards.vocab import count_tokens, save_token_counts
 from eaglet.target_model.capture import resolve_aux_layer_ids

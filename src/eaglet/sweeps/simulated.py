@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eaglet.extract.pipeline import TARGET_HEAD_FILE
 from eaglet.formats.reader import load_eagle_draft
+from eaglet.shards import TARGET_HEAD_FILE
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.ttt import ttt_forward
 

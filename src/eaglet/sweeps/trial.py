@@ -21,10 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError
-from eaglet.extract.pipeline import shard_dir
 from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir
 from eaglet.shards import build_vocab_mapping, load_token_counts
+from eaglet.shards.layout import shard_dir
 from eaglet.sweeps.launch import adopt_submitit_local_tasks, check_one_process_per_rank
 from eaglet.sweeps.serving import Deployment, predicted_speedups, resolve_deployment
 from eaglet.sweeps.simulated import simulated_curve
@@ -142,7 +142,7 @@ def run_trial(cfg: EagletConfig, run_dir: Path) -> float | None:
         deployment = resolve_deployment(
             cfg.model, cfg.hardware, cfg.sweep.serve_model, cfg.sweep.serve_hardware
         )
-        shards = shard_dir(cfg)
+        shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
         summary = run_training(cfg, run_dir, finish_tracking=False)
         if summary is None:  # not rank 0: rank 0 measures and reports
             return None

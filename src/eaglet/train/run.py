@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 from eaglet.config.schema import DraftConfig, EagletConfig, TrainerConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.extract.pipeline import TARGET_HEAD_FILE, shard_dir
 from eaglet.formats.writer import export_eagle
 from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir, resolve_ckpt_path
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
+from eaglet.shards.layout import TARGET_HEAD_FILE, shard_dir
 from eaglet.target_model.capture import resolve_aux_layer_ids
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
@@ -113,7 +113,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     tr = cfg.trainer
     if tr.ttt_steps < 1:
         raise ConfigError(f"trainer.ttt_steps must be >= 1, got {tr.ttt_steps}")
-    shards = shard_dir(cfg)
+    shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
     manifest = read_manifest(shards)
     if not manifest.complete:
         raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")

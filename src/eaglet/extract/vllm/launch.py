@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from eaglet.config.schema import EagletConfig
+from eaglet.config.schema import ModelConfig
 from eaglet.errors import ConfigError
+from eaglet.extract.job import ExtractionJob
 from eaglet.extract.vllm.layers import LayerLayout
 
 CONNECTOR = "ExampleHiddenStatesConnector"
@@ -38,35 +39,37 @@ class LaunchPlan:
     storage_dir: str
 
 
-def storage_dir(cfg: EagletConfig) -> Path:
+def storage_dir(job: ExtractionJob) -> Path:
     """Where vLLM writes its per-request files (absolute: the server resolves it on its side)."""
-    if cfg.extract.vllm.storage_dir:
-        return Path(cfg.extract.vllm.storage_dir).absolute()
-    return (Path(cfg.paths.data_dir) / "vllm_requests" / cfg.model.name / cfg.dataset.name).absolute()
+    if job.extract.vllm.storage_dir:
+        return Path(job.extract.vllm.storage_dir).absolute()
+    return (job.data_dir / "vllm_requests" / job.model.name / job.dataset.name).absolute()
 
 
-def model_path(cfg: EagletConfig) -> str:
-    if cfg.model.source != "path" or not cfg.model.path or cfg.model.path == "???":
+def model_path(model: ModelConfig) -> str:
+    if model.source != "path" or not model.path or model.path == "???":
         raise ConfigError(
-            f"extract.backend=vllm serves the target from a Hugging Face folder, but model {cfg.model.name!r} has "
-            f"model.source={cfg.model.source!r}; set model.source=path model.path=/path/to/weights"
+            f"extract.backend=vllm serves the target from a Hugging Face folder, but model {model.name!r} has "
+            f"model.source={model.source!r}; set model.source=path model.path=/path/to/weights"
         )
-    return str(cfg.model.path)
+    return str(model.path)
 
 
-def resolve_launch(cfg: EagletConfig, layout: LayerLayout) -> LaunchPlan:
-    vc, hw = cfg.extract.vllm, cfg.hardware
-    tp = vc.tensor_parallel_size or hw.devices
+def resolve_launch(job: ExtractionJob, layout: LayerLayout, *, devices: int, seed: int) -> LaunchPlan:
+    """The launch settings of this extraction on `devices` GPUs (the default tensor parallel size)."""
+    ext, model = job.extract, job.model
+    vc = ext.vllm
+    tp = vc.tensor_parallel_size or devices
     if tp < 1:
         raise ConfigError(f"extract.vllm.tensor_parallel_size={tp}: must be at least 1")
     expert_parallel = vc.enable_expert_parallel
     if expert_parallel is None:
-        expert_parallel = cfg.model.num_experts > 0 and tp > 1
+        expert_parallel = model.num_experts > 0 and tp > 1
     # One token is generated after the prompt, so the longest prompt needs one position more.
-    max_model_len = vc.max_model_len or cfg.extract.max_length + 1
-    if max_model_len <= cfg.extract.max_length:
+    max_model_len = vc.max_model_len or ext.max_length + 1
+    if max_model_len <= ext.max_length:
         raise ConfigError(
-            f"extract.vllm.max_model_len={max_model_len} must exceed extract.max_length={cfg.extract.max_length} "
+            f"extract.vllm.max_model_len={max_model_len} must exceed extract.max_length={ext.max_length} "
             "(the prompt plus the one generated token); raise it or leave it null"
         )
     if not 0 < vc.gpu_memory_utilization <= 1:
@@ -74,19 +77,19 @@ def resolve_launch(cfg: EagletConfig, layout: LayerLayout) -> LaunchPlan:
             f"extract.vllm.gpu_memory_utilization={vc.gpu_memory_utilization}: must be in (0, 1]"
         )
     return LaunchPlan(
-        model=model_path(cfg),
-        tokenizer=cfg.model.tokenizer_path,
-        trust_remote_code=cfg.model.trust_remote_code,
-        dtype=cfg.model.dtype,
-        seed=cfg.seed,
+        model=model_path(model),
+        tokenizer=model.tokenizer_path,
+        trust_remote_code=model.trust_remote_code,
+        dtype=model.dtype,
+        seed=seed,
         tensor_parallel_size=tp,
         enable_expert_parallel=expert_parallel,
         max_model_len=max_model_len,
         # Chunked prefill is off, so one step must hold the longest prompt.
-        max_num_batched_tokens=max(max_model_len, cfg.extract.batch_tokens),
+        max_num_batched_tokens=max(max_model_len, ext.batch_tokens),
         gpu_memory_utilization=vc.gpu_memory_utilization,
         layer_ids=tuple(layout.vllm_layer_ids),
-        storage_dir=str(storage_dir(cfg)),
+        storage_dir=str(storage_dir(job)),
     )
 
 

@@ -1,0 +1,52 @@
+"""A dataset's conversations as the stages read them: every file in order, ids unique across files, and
+evaluation prompts held out when the dataset asks for it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from eaglet.config.schema import DatasetConfig
+from eaglet.data.conversations import Conversation, load_conversations
+from eaglet.data.holdout import drop_held_out, eval_set_prompts
+from eaglet.errors import DataError
+
+
+def load_dataset(
+    dataset: DatasetConfig,
+    *,
+    require_assistant: bool,
+    strict: bool,
+    max_conversations: int | None,
+    held_out_sets: Mapping[str, Any],
+) -> tuple[list[Conversation], int]:
+    """The dataset's conversations, capped per file and in total, in file order, and how many had no
+    assistant turn to train on (skipped when `require_assistant`; an error when `strict` too).
+
+    `held_out_sets` are evaluation set definitions (eval.set_defs): their prompts are dropped when
+    dataset.holdout_eval_sets is on.
+    """
+    conversations: list[Conversation] = []
+    seen: dict[str, str] = {}
+    no_assistant = 0
+    for path in dataset.paths:
+        part, stats = load_conversations(
+            [path],
+            max_records=dataset.max_records_per_file,
+            require_assistant=require_assistant,
+            strict=strict,
+        )
+        for conv in part:
+            if conv.id in seen:
+                raise DataError(
+                    f"{conv.source}:{conv.line}: id {conv.id!r} also appears at {seen[conv.id]}; ids must be "
+                    "unique across the dataset's files"
+                )
+            seen[conv.id] = f"{conv.source}:{conv.line}"
+        conversations.extend(part)
+        no_assistant += stats.skipped_no_assistant
+    if dataset.holdout_eval_sets:
+        conversations, _ = drop_held_out(conversations, eval_set_prompts(held_out_sets))
+    if max_conversations is not None:
+        conversations = conversations[:max_conversations]
+    return conversations, no_assistant

@@ -1,0 +1,388 @@
+"""What both extraction backends do around the forward: conversations to samples (regeneration, tokenization),
+the inputs' identity, and the shard folder from its first manifest to its last (target head, resume, totals).
+
+Crash safety: shards are written atomically and recorded in the manifest one by one; a rerun of the
+same command recomputes the same deterministic plan and continues after the last recorded shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from eaglet.config.schema import DatasetConfig, ModelConfig
+from eaglet.data.conversations import Conversation
+from eaglet.data.regenerate import regenerate_conversations
+from eaglet.data.regenerate_stats import RegenerateStats
+from eaglet.data.templating import (
+    TokenizedConversation,
+    chat_template_hash,
+    chat_template_variables,
+    resolve_chat_template,
+    tokenize_conversation,
+)
+from eaglet.errors import ConfigError, DataError
+from eaglet.extract.job import ExtractionJob
+from eaglet.fsutil import atomic_output, human_bytes
+from eaglet.shards import (
+    MANIFEST_FILE,
+    MANIFEST_VERSION,
+    STORED_DTYPES,
+    TARGET_HEAD_FILE,
+    TOKEN_COUNTS_FILE,
+    Manifest,
+    bytes_per_token,
+    count_tokens,
+    read_manifest,
+    save_token_counts,
+    shard_name,
+    write_manifest,
+)
+
+
+@dataclass
+class ExtractSummary:
+    output_dir: Path
+    sequences: int
+    tokens: int
+    masked_tokens: int
+    truncated: int
+    skipped: int
+    bytes_on_disk: int
+    seconds: float
+    tokens_per_second: float
+    shards: int
+    resumed_shards: int
+    regenerate: RegenerateStats | None
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """The target that answers and computes: its weights' config, its tokenizer, its precision and device."""
+
+    config_hash: str
+    tokenizer_hash: str
+    dtype: str
+    device: str
+
+
+@dataclass
+class Samples:
+    """The tokenized conversations to extract, the conversation of each, and how many were left out."""
+
+    tokenized: list[TokenizedConversation]
+    conversations: list[Conversation]
+    # Conversations without an assistant token to learn (none in the data, or none within max_length).
+    skipped: int
+    regenerated: RegenerateStats | None
+
+
+def chat_template(job: ExtractionJob, tokenizer: Any) -> str:
+    """The template every conversation is rendered with (the model's, or model.chat_template)."""
+    return resolve_chat_template(
+        tokenizer, job.model.chat_template, chat_template_variables(job.model, job.extract.regenerate)
+    )
+
+
+def prepare_samples(
+    job: ExtractionJob,
+    conversations: list[Conversation],
+    no_assistant: int,
+    tokenizer: Any,
+    template: str,
+    target: TargetIdentity,
+    *,
+    model: torch.nn.Module | None = None,
+) -> Samples:
+    """The conversations (their answers regenerated when extract.regenerate.enabled), tokenized.
+
+    `model` answers in-process; without it regeneration needs extract.regenerate.endpoint.
+    """
+    regenerated = None
+    if job.extract.regenerate.enabled:
+        conversations, regenerated = _regenerate(job, conversations, tokenizer, template, target, model)
+    tokenized, kept, no_masked_token = _tokenize(
+        conversations, tokenizer, template, max_length=job.extract.max_length, dataset=job.dataset
+    )
+    return Samples(tokenized, kept, no_assistant + no_masked_token, regenerated)
+
+
+def shared_settings(job: ExtractionJob, aux_ids: list[int]) -> dict[str, Any]:
+    """The settings every backend records: the data, the layers and the shard layout."""
+    ext = job.extract
+    return {
+        "dataset": job.dataset.name,
+        "dataset_paths": list(job.dataset.paths),
+        "aux_layer_ids": aux_ids,
+        "dtype": ext.dtype,
+        "max_length": ext.max_length,
+        "shard_tokens": ext.shard_tokens,
+    }
+
+
+def inputs_identity(
+    model: ModelConfig, target: TargetIdentity, template: str, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Everything besides the samples' tokens that determines the shards: the target and the settings."""
+    return {
+        "target": {
+            "name": model.name,
+            "architecture": model.architecture,
+            "config_hash": target.config_hash,
+            "tokenizer_hash": target.tokenizer_hash,
+            "chat_template_hash": chat_template_hash(template),
+            "num_layers": model.num_layers,
+            "hidden_size": model.hidden_size,
+            "vocab_size": model.vocab_size,
+        },
+        "settings": settings,
+    }
+
+
+def start_folder(
+    job: ExtractionJob,
+    identity: dict[str, Any],
+    samples: list[TokenizedConversation],
+    aux_ids: list[int],
+    read_head: Callable[[], Mapping[str, torch.Tensor]],
+) -> Manifest:
+    """The folder's manifest for these inputs (resumed), or a new one once the disk is known to hold them;
+    the target head (`read_head`, read only when the folder lacks it) is written beside it.
+
+    Both backends store the last layer's output before the final norm (vLLM's id L is that state too).
+    """
+    ext, model, out_dir = job.extract, job.model, job.out_dir
+    fingerprint = _fingerprint(identity, samples)
+    manifest = _prepare_output(out_dir, fingerprint, overwrite=ext.overwrite)
+    itemsize = torch.empty((), dtype=STORED_DTYPES[ext.dtype]).element_size()
+    per_token = bytes_per_token(len(aux_ids), model.hidden_size, itemsize)
+    _check_disk(out_dir, sum(s.num_tokens for s in samples) * per_token)
+    if manifest is None:
+        manifest = Manifest(
+            version=MANIFEST_VERSION,
+            status="in_progress",
+            target=identity["target"],
+            aux_layer_ids=aux_ids,
+            last_layer_id=model.num_layers,
+            last_hidden_pre_norm=True,
+            hidden_size=model.hidden_size,
+            vocab_size=model.vocab_size,
+            dtype=ext.dtype,
+            inputs_fingerprint=fingerprint,
+            settings=identity["settings"],
+        )
+        write_manifest(out_dir, manifest)
+    _write_target_head(out_dir, read_head)
+    return manifest
+
+
+def check_resumable(
+    plan: list[range], manifest: Manifest, out_dir: Path, *, sequences_may_be_skipped: bool = False
+) -> None:
+    """Recorded shards must sit where the plan puts them; a missing or truncated one is written again.
+
+    With `sequences_may_be_skipped` a shard may start after its first planned sequence (that one was skipped).
+    """
+    for index, info in enumerate(manifest.shards):
+        fits = index < len(plan) and (
+            info.first_sample in plan[index]
+            if sequences_may_be_skipped
+            else info.first_sample == plan[index].start
+        )
+        if not fits or info.file != shard_name(index):
+            raise DataError(
+                f"{out_dir / MANIFEST_FILE} records shard {info.file} that does not match this run's plan; "
+                "re-run with extract.overwrite=true"
+            )
+        path = out_dir / info.file
+        if not path.exists() or path.stat().st_size != info.bytes:
+            print(f"{path} is missing or damaged: extracting again from shard {index}")
+            del manifest.shards[index:]
+            return
+
+
+def finish(
+    job: ExtractionJob,
+    manifest: Manifest,
+    written: list[TokenizedConversation],
+    *,
+    skipped: int,
+    seconds: float,
+    processed_tokens: int,
+    resumed_shards: int,
+    regenerated: RegenerateStats | None,
+    extra_totals: Mapping[str, int] | None = None,
+) -> ExtractSummary:
+    """Token counts and totals of the `written` samples recorded, the manifest marked complete."""
+    out_dir = job.out_dir
+    counts = count_tokens(
+        np.concatenate([s.input_ids for s in written]),
+        np.concatenate([s.loss_mask for s in written]),
+        job.model.vocab_size,
+    )
+    save_token_counts(out_dir, counts)
+    manifest.token_counts_file = TOKEN_COUNTS_FILE
+    totals = {
+        "sequences": len(written),
+        "tokens": int(sum(s.num_tokens for s in written)),
+        "masked_tokens": int(sum(s.num_masked for s in written)),
+        "truncated": int(sum(s.truncated for s in written)),
+        "skipped": skipped,
+        **(extra_totals or {}),
+        "bytes": int(sum(info.bytes for info in manifest.shards)),
+        "distinct_masked_tokens": int((counts > 0).sum()),
+    }
+    manifest.totals = totals
+    manifest.status = "complete"
+    write_manifest(out_dir, manifest)
+    return ExtractSummary(
+        output_dir=out_dir,
+        sequences=totals["sequences"],
+        tokens=totals["tokens"],
+        masked_tokens=totals["masked_tokens"],
+        truncated=totals["truncated"],
+        skipped=skipped,
+        bytes_on_disk=totals["bytes"],
+        seconds=seconds,
+        tokens_per_second=processed_tokens / seconds if seconds > 0 else 0.0,
+        shards=len(manifest.shards),
+        resumed_shards=resumed_shards,
+        regenerate=regenerated,
+    )
+
+
+def _regenerate(
+    job: ExtractionJob,
+    conversations: list[Conversation],
+    tokenizer: Any,
+    template: str,
+    target: TargetIdentity,
+    model: torch.nn.Module | None,
+) -> tuple[list[Conversation], RegenerateStats]:
+    rg, name = job.extract.regenerate, job.model.name
+    if rg.import_from is not None and not Path(rg.import_from).name.startswith(name):
+        # Records hold prompts and answers, not who answered: the file name carries the model.
+        raise ConfigError(
+            f"extract.regenerate.import_from={rg.import_from!r}: its name does not start with the target's "
+            f"name {name!r}, so its answers may be another model's; set import_from=null, or rename "
+            f"the file to {name}-....jsonl(.gz) if {name} wrote it"
+        )
+    # Keyed by everything that changes a generated answer; records inside are keyed by conversation id,
+    # so a larger dataset reuses what was generated for a smaller one.
+    key = _short_hash(
+        {
+            "target": target.config_hash,
+            "tokenizer": target.tokenizer_hash,
+            "template": chat_template_hash(template),
+            "max_new_tokens": rg.max_new_tokens,
+            "temperature": rg.temperature,
+            "top_p": rg.top_p,
+            "seed": rg.seed,
+            "batch_size": rg.batch_size,
+            "max_length": job.extract.max_length,
+            "dtype": target.dtype,
+            "device": target.device,
+        }
+    )
+    path = job.data_dir / "regenerated" / f"{name}-{key}.jsonl"
+    print(f"regenerating assistant turns with {name} -> {path}")
+    return regenerate_conversations(
+        model,
+        tokenizer,
+        conversations,
+        cfg=rg,
+        out_path=path,
+        max_length=job.extract.max_length,
+        chat_template=template,
+        template_kwargs=chat_template_variables(job.model, rg) if rg.endpoint else None,
+    )
+
+
+def _tokenize(
+    conversations: list[Conversation],
+    tokenizer: Any,
+    template: str,
+    *,
+    max_length: int,
+    dataset: DatasetConfig,
+) -> tuple[list[TokenizedConversation], list[Conversation], int]:
+    """Samples with at least one loss-masked token, their conversations, and how many had none."""
+    samples, kept, skipped = [], [], 0
+    for conv in tqdm(conversations, desc="tokenize", unit="conv", leave=False):
+        if not conv.has_assistant():  # e.g. regeneration found no room
+            skipped += 1
+            continue
+        sample = tokenize_conversation(tokenizer, conv, max_length=max_length, chat_template=template)
+        if sample.num_masked == 0:
+            skipped += 1
+            continue
+        samples.append(sample)
+        kept.append(conv)
+    if not samples:
+        raise DataError(
+            f"no conversation of dataset {dataset.name!r} has an assistant token within "
+            f"extract.max_length={max_length}; check the files {list(dataset.paths)}"
+        )
+    return samples, kept, skipped
+
+
+def _fingerprint(identity: dict, samples: list[TokenizedConversation]) -> str:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    for s in samples:
+        digest.update(s.input_ids.tobytes())
+        digest.update(s.loss_mask.tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _short_hash(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _prepare_output(out_dir: Path, fingerprint: str, *, overwrite: bool) -> Manifest | None:
+    """The manifest to resume, or None for a fresh start; refuses a folder made from other inputs."""
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    manifest_path = out_dir / MANIFEST_FILE
+    manifest = read_manifest(out_dir) if manifest_path.exists() else None
+    if manifest is not None and manifest.inputs_fingerprint == fingerprint:
+        return manifest
+    if not overwrite:
+        what = "describes different inputs" if manifest else "holds files but no manifest"
+        raise ConfigError(
+            f"{out_dir} is not empty and {what} (other model, data or settings); pass extract.overwrite=true "
+            "to replace it, or choose another folder with extract.output_dir=..."
+        )
+    shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    return None
+
+
+def _check_disk(out_dir: Path, estimate: int) -> None:
+    free = shutil.disk_usage(out_dir).free
+    print(f"estimated shard size: {human_bytes(estimate)} ({human_bytes(free)} free at {out_dir})")
+    if estimate > free:
+        raise ConfigError(
+            f"not enough disk for the shards: need about {human_bytes(estimate)} at {out_dir}, {human_bytes(free)} free; "
+            "free space, point extract.output_dir at a larger disk, or lower dataset.max_records_per_file"
+        )
+
+
+def _write_target_head(out_dir: Path, read_head: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+    """The target's embedding, final norm and lm_head: training needs them, not the whole target."""
+    path = out_dir / TARGET_HEAD_FILE
+    if path.exists():
+        return
+    tensors = {name: t.contiguous() for name, t in read_head().items()}
+    with atomic_output(path) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
