@@ -8,8 +8,8 @@ from pathlib import Path
 
 import hydra
 
-import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
+from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
 from eaglet.config.schema import EagletConfig
 from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
 
@@ -17,6 +17,7 @@ from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_command
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @user_errors
 def main(cfg: EagletConfig) -> None:
+    check_config(cfg)
     results = run_evaluation(cfg)
     run = Path(results["run"])
     plot = plot_acceptance(results, run / "acceptance.png")

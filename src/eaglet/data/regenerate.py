@@ -63,8 +63,10 @@ def regenerate_conversations(
     max_length: int,
     chat_template: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    seed: int = 0,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Regenerated copies of `conversations` (same ids and order), resuming from `out_path`.
+    """Regenerated copies of `conversations` (same ids and order), resuming from `out_path`; sampled answers
+    are seeded per turn from `seed` (the run's seed).
 
     With `cfg.endpoint` set the server answers (`model` is not used) and the records go to a file next to
     `out_path` keyed by the served model and the template arguments (thinking mode), which change every answer;
@@ -85,6 +87,7 @@ def regenerate_conversations(
         return regenerate_via_endpoint(
             conversations,
             cfg=cfg,
+            seed=seed,
             model=served,
             out_path=path,
             max_length=max_length,
@@ -109,6 +112,7 @@ def regenerate_conversations(
         tokenizer,
         conversations,
         cfg=cfg,
+        seed=seed,
         out_path=out_path,
         max_length=max_length,
         chat_template=chat_template,
@@ -128,6 +132,7 @@ def _regenerate_in_process(
     conversations: Sequence[Conversation],
     *,
     cfg: RegenerateConfig,
+    seed: int,
     out_path: Path,
     max_length: int,
     chat_template: str | None,
@@ -167,6 +172,7 @@ def _regenerate_in_process(
             pending,
             tokenizer,
             cfg=cfg,
+            seed=seed,
             max_length=max_length,
             chat_template=chat_template,
             stats=stats,
@@ -203,6 +209,7 @@ class _TurnQueue:
         tokenizer: Any,
         *,
         cfg: RegenerateConfig,
+        seed: int,
         max_length: int,
         chat_template: str | None,
         stats: RegenerateStats,
@@ -210,7 +217,7 @@ class _TurnQueue:
         on_written: Callable[[list[Conversation]], None],
     ) -> None:
         self.unstarted = iter(pending)
-        self.tokenizer, self.cfg, self.max_length = tokenizer, cfg, max_length
+        self.tokenizer, self.cfg, self.seed, self.max_length = tokenizer, cfg, seed, max_length
         self.chat_template, self.stats = chat_template, stats
         self.sink, self.on_written = sink, on_written
         self.ready: deque[Request] = deque()
@@ -252,7 +259,7 @@ class _TurnQueue:
             if len(ids) + self.cfg.max_new_tokens <= self.max_length:
                 dialogue.history = turns
                 dialogue.answered += 1
-                seed = _turn_seed(self.cfg.seed, dialogue.source.id, dialogue.answered)
+                seed = _turn_seed(self.seed, dialogue.source.id, dialogue.answered)
                 return Request(ids, seed=seed, tag=dialogue)
             self.stats.cut_for_length += 1
         source = dialogue.source

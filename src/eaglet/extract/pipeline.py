@@ -231,7 +231,7 @@ def _regenerate(
             "max_new_tokens": rg.max_new_tokens,
             "temperature": rg.temperature,
             "top_p": rg.top_p,
-            "seed": rg.seed,
+            "seed": cfg.seed,
             "batch_size": rg.batch_size,
             "max_length": cfg.extract.max_length,
             "dtype": str(target.dtype),
@@ -249,6 +249,7 @@ def _regenerate(
         max_length=cfg.extract.max_length,
         chat_template=template,
         template_kwargs=chat_template_variables(cfg.model, rg) if rg.endpoint else None,
+        seed=cfg.seed,
     )
 
 
@@ -300,10 +301,13 @@ def _identity(cfg: EagletConfig, target: LoadedTarget, template: str, aux_ids: l
             "batch_tokens": ext.batch_tokens,
             "target_dtype": str(target.dtype),
             "device": target.device.type,
-            # Where imported answers came from is not part of it: the samples' tokens are hashed below.
-            "regenerate": {k: v for k, v in dict(ext.regenerate).items() if k != "import_from"}
-            if ext.regenerate.enabled
-            else None,
+            # Where imported answers came from is not part of it: the samples' tokens are hashed below. The
+            # run's seed sits where regeneration's own seed was, so earlier fingerprints still match.
+            "regenerate": (
+                {k: v for k, v in dict(ext.regenerate).items() if k != "import_from"} | {"seed": cfg.seed}
+                if ext.regenerate.enabled
+                else None
+            ),
         },
     }
 
