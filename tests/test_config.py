@@ -161,7 +161,7 @@ def test_a_wrong_choice_stops_the_entry_point_before_any_work() -> None:
 
 
 def test_choices_are_plain_strings_wherever_the_config_is_recorded(compose) -> None:
-    from eaglet.train.tracking import plain_config
+    from eaglet.config.plain import plain_config
 
     cfg = compose("trainer.attention=flex", "export.format=speculators")
     assert cfg.trainer.attention == "flex" and f"{cfg.export.format}" == "speculators"

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.config.plain import plain_config
 from eaglet.train import tracking
 
 
 def _tracked(cfg) -> tuple:
     """make_loggers' first arguments, as run_training passes them: the W&B settings and the whole config."""
-    return cfg.wandb, tracking.plain_config(cfg)
+    return cfg.wandb, plain_config(cfg)
 
 
 def test_offline_unless_logged_in(compose, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

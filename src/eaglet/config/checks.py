@@ -107,7 +107,7 @@ def check_plan(plan: PlanConfig) -> None:
     if serving.batch_size < 1 or serving.context_tokens < 0:
         raise ConfigError("plan.serving.batch_size must be >= 1 and plan.serving.context_tokens >= 0")
     assumed = list(serving.acceptance)
-    if serving.acceptance_from is None and (not assumed or any(not 0.0 <= a <= 1.0 for a in assumed)):
+    if not serving.acceptance_from and (not assumed or any(not 0.0 <= a <= 1.0 for a in assumed)):
         raise ConfigError(
             f"plan.serving.acceptance must be a non-empty list of values in [0, 1], got {assumed}"
         )

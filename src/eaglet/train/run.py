@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from eaglet.config.plain import plain_config
 from eaglet.config.schema import DraftConfig, EagletConfig, ModelConfig, TrainerConfig
 from eaglet.errors import ConfigError, DataError
 from eaglet.export.eagle import export_eagle
@@ -23,7 +24,7 @@ from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.strategy import build_strategy
-from eaglet.train.tracking import finish_wandb, make_loggers, plain_config
+from eaglet.train.tracking import finish_wandb, make_loggers
 
 REPORT_FILE = "report.json"
 

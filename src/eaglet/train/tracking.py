@@ -11,9 +11,8 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from omegaconf import OmegaConf
 
-from eaglet.config.schema import EagletConfig, WandbConfig
+from eaglet.config.schema import WandbConfig
 
 
 def wandb_logged_in() -> bool:
@@ -31,11 +30,6 @@ def sweep_group() -> str | None:
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
     return Path(hydra_cfg.sweep.dir).name
-
-
-def plain_config(cfg: EagletConfig) -> dict[str, Any]:
-    """The composed config as plain data (choices as their strings), as a run records it."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def make_loggers(

@@ -49,7 +49,7 @@ def model_path(cfg: EagletConfig) -> str:
     if cfg.model.source != "path" or not cfg.model.path or cfg.model.path == "???":
         raise ConfigError(
             f"extract.backend=vllm serves the target from a Hugging Face folder, but model {cfg.model.name!r} has "
-            f"model.source={cfg.model.source!r}; set model.source=path model.path=/path/to/weights"
+            f"model.source='{cfg.model.source}'; set model.source=path model.path=/path/to/weights"
         )
     return str(cfg.model.path)
 
