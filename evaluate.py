@@ -8,8 +8,8 @@ from pathlib import Path
 
 import hydra
 
-import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
+from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
 from eaglet.config.schema import EagletConfig
 from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
 from eaglet.run_dir import RunDir
@@ -18,6 +18,7 @@ from eaglet.run_dir import RunDir
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @user_errors
 def main(cfg: EagletConfig) -> None:
+    check_config(cfg)
     results = run_evaluation(cfg)
     run = Path(results["run"])
     plot = plot_acceptance(results, run / "acceptance.png")

@@ -6,8 +6,8 @@ python export.py export.run=outputs/train/<time> export.format=speculators expor
 
 import hydra
 
-import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
+from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
 from eaglet.config.schema import EagletConfig
 from eaglet.export.stage import run_export
 
@@ -15,6 +15,7 @@ from eaglet.export.stage import run_export
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @user_errors
 def main(cfg: EagletConfig) -> None:
+    check_config(cfg)
     out = run_export(cfg)
     print(f"exported ({cfg.export.format} format, names and shapes checked): {out}")
 

@@ -6,8 +6,8 @@ python extract.py model=llama3_1_8b model.path=/models/Llama-3.1-8B-Instruct dat
 
 import hydra
 
-import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
+from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
 from eaglet.config.schema import EagletConfig
 from eaglet.extract.report import print_summary
 from eaglet.extract.stage import run_extraction
@@ -16,6 +16,7 @@ from eaglet.extract.stage import run_extraction
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @user_errors
 def main(cfg: EagletConfig) -> None:
+    check_config(cfg)
     print_summary(run_extraction(cfg))
 
 

@@ -9,8 +9,8 @@ python plan.py model=llama3_1_8b plan.tokens=2000000000 plan.serving.acceptance_
 import hydra
 from omegaconf import OmegaConf
 
-import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
+from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
 from eaglet.config.schema import EagletConfig
 from eaglet.plan.stage import run_plan
 
@@ -18,6 +18,7 @@ from eaglet.plan.stage import run_plan
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @user_errors
 def main(cfg: EagletConfig) -> None:
+    check_config(cfg)
     run_plan(OmegaConf.to_object(cfg))
 
 

@@ -1,7 +1,7 @@
 """Train an EAGLE-3 draft head on extracted shards (KD + training-time test).
 
 python train.py                                     # embedded default on this CPU (run extract.py first)
-python train.py hardware=b200_nvl8 model=kimi_k2_5 trainer.ttt_steps=7 model.draft_vocab_size=32000
+python train.py hardware=b200_nvl8 model=kimi_k2_5 trainer.ttt_steps=7 draft.vocab_size=32000
 python train.py ckpt_path=last                      # resume the newest run
 python train.py sweeps=draft_length_vocab           # a sweep (sweeps/*.yaml); each trial returns its objective
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-import eaglet.config  # noqa: F401  (registers the config schemas)
 from eaglet.cli import user_errors
+from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
 from eaglet.config.schema import EagletConfig
 from eaglet.train.report import print_summary
 from eaglet.train.run import run_training
@@ -21,10 +21,11 @@ from eaglet.train.run import run_training
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @user_errors
 def main(cfg: EagletConfig) -> float | None:
-    if cfg.sweep.enabled:  # a sweep trial: never raises, returns the sweep's objective (None if it failed)
+    if cfg.sweep.enabled:  # a sweep trial: never raises (it checks the config itself), returns the objective
         from eaglet.sweeps.trial import run_trial
 
         return run_trial(cfg, Path(HydraConfig.get().runtime.output_dir))
+    check_config(cfg)
     summary = run_training(cfg, Path(HydraConfig.get().runtime.output_dir))
     if summary is None:  # not rank 0
         return None

@@ -24,6 +24,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import eaglet.config
+from eaglet.config import check_config
 from eaglet.data.templating import TokenizedConversation
 from eaglet.extract.plan import plan_batches
 from eaglet.extract.transformers_backend import forward_batch
@@ -69,6 +70,7 @@ def main(argv: list[str]) -> None:
             overrides.append(arg)
     with initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
+    check_config(cfg)
     target = load_target(cfg.model, device="auto", cache_dir=Path(cfg.paths.cache_dir))
     aux_ids = resolve_aux_layer_ids(cfg.model)
     samples = make_samples(min(cfg.model.vocab_size, len(target.tokenizer)), opts)

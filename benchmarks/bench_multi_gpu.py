@@ -51,9 +51,9 @@ def composed(model: str, hardware: str):
 def train(run_dir: Path, shards: Path, opts: dict, devices: int, strategy: str, global_tokens: int) -> Path:
     cmd = [
         sys.executable, str(ROOT / "train.py"), f"model={opts['model']}", f"hardware={opts['hardware']}",
-        f"extract.output_dir={shards}", f"trainer.devices={devices}", f"trainer.strategy={strategy}",
+        f"extract.output_dir={shards}", f"hardware.devices={devices}", f"hardware.strategy={strategy}",
         f"trainer.max_steps={opts['steps']}", f"trainer.global_batch_tokens={global_tokens}",
-        f"trainer.ttt_steps={opts['ttt']}", f"model.draft_vocab_size={opts['draft_vocab']}",
+        f"trainer.ttt_steps={opts['ttt']}", f"draft.vocab_size={opts['draft_vocab']}",
         "trainer.val_fraction=0", f"trainer.checkpoint_every_n_steps={10**6}", "trainer.lr=1e-4",
         "trainer.warmup_ratio=0", f"trainer.num_workers={opts['workers']}", f"trainer.loader_threads={opts['threads']}",
         f"hydra.run.dir={run_dir}",

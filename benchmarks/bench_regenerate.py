@@ -26,6 +26,7 @@ from hydra import compose, initialize_config_dir
 from transformers import DynamicCache
 
 import eaglet.config
+from eaglet.config import check_config
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn, read_jsonl_conversations
 from eaglet.data.regenerate import regenerate_conversations
@@ -220,6 +221,7 @@ def main(argv: list[str]) -> None:
             overrides.append(arg)
     with initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
+    check_config(cfg)
     target = load_target(cfg.model, device="auto", cache_dir=Path(cfg.paths.cache_dir))
     conversations = multi_turn(Path(cfg.paths.shared_data), opts["conversations"])
     runners = {"turn-serial": turn_serial, "continuous": continuous}

@@ -39,7 +39,8 @@ from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.module import DraftHeadModule
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
-# (hidden, heads, kv heads, head_dim, intermediate, vocab) of the draft heads shipped in conf/model.
+# (hidden, heads, kv heads, head_dim, intermediate, vocab) of the draft heads shipped in conf/draft, with the
+# target's vocab (conf/model).
 SHAPES = {
     "tiny": (64, 4, 2, 16, 128, 4096),
     "smollm2_135m": (576, 9, 3, 64, 1536, 49152),

@@ -33,7 +33,7 @@ from bench_train import SHAPES
 from eaglet.config.schema import HardwareConfig, PlanCalibrationConfig, TrainerConfig
 from eaglet.errors import DataError
 from eaglet.plan.benchmarks import BenchTable, number, parse_benchmarks
-from eaglet.plan.configs import default_plan, load_hardware, load_model
+from eaglet.plan.configs import default_plan, load_draft, load_hardware, load_model
 from eaglet.plan.data_size import DataSize
 from eaglet.plan.extraction import estimate_extraction, place_target, prefill_seconds_per_token
 from eaglet.plan.target_cost import forward_flops_per_token
@@ -121,8 +121,7 @@ def training_prediction(
     measured: TrainingRow, h200: HardwareConfig, cal: PlanCalibrationConfig
 ) -> tuple[float, float]:
     """(predicted tokens/s, the efficiency this row alone implies)."""
-    model = load_model(measured.shape)
-    d = model.draft
+    model, d = load_model(measured.shape), load_draft(measured.shape)
     bench = (
         d.hidden_size,
         d.num_attention_heads,
@@ -134,13 +133,13 @@ def training_prediction(
     if SHAPES[measured.shape] != bench:
         raise DataError(
             f"bench_train.SHAPES[{measured.shape!r}] = {SHAPES[measured.shape]} differs from "
-            f"conf/model/{measured.shape}.yaml {bench}"
+            f"conf/draft/{measured.shape}.yaml and conf/model/{measured.shape}.yaml {bench}"
         )
     variant = VARIANTS[measured.implementation]
     trainer = TrainerConfig(
         ttt_steps=measured.ttt, lm_head_trainable=variant.trainable, compile=variant.compile
     )
-    shape = HeadShape.of(model, trainer, min(measured.draft_vocab, model.vocab_size))
+    shape = HeadShape.of(model, d, trainer, min(measured.draft_vocab, model.vocab_size))
     hardware = dataclasses.replace(h200, tokens_per_device=measured.batch_tokens)
     doc = measured.doc_tokens  # every document of the benchmark has this length, one answer span each
     loss = 1.0 - measured.prompt_share

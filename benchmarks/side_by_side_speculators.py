@@ -5,7 +5,7 @@
     python benchmarks/side_by_side_speculators.py experiments=smollm2_gpu epochs=6 ttt=5 evaluate=0 save=DIR
     python benchmarks/side_by_side_speculators.py shards=DIR model=tiny_llama ...   # other keys: Hydra overrides
 
-Both heads start from the same weights at the model config's draft shape (`model.draft`, `model.draft_vocab_size`,
+Both heads start from the same weights at the model config's draft shape (`draft`, `draft.vocab_size`,
 d2t/t2d from the shards' token counts, embeddings and lm_head rows from target_head.safetensors; speculators'
 copy is filled from ours through the export's name mapping). lm_head is frozen for both, as speculators
 defaults (`trainer.lm_head_trainable=false` is forced). They train for the same optimizer steps on the same
@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 import eaglet.config
 from eaglet.cli import user_errors
+from eaglet.config import check_config
 from eaglet.config.schema import DraftConfig
 from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import ConfigError, DataError
@@ -141,6 +142,7 @@ def compose_config(opts: dict[str, Any], overrides: list[str]) -> DictConfig:
             cfg = hydra.compose("config", overrides=[*overrides, *forced])
     finally:
         GlobalHydra.instance().clear()
+    check_config(cfg)
     cfg.eval.num_spec_tokens = (
         cfg.trainer.ttt_steps
     )  # the heads draft as many tokens as they were unrolled for
@@ -180,7 +182,7 @@ def build_speculators(
 
 
 def draft_config(cfg: DictConfig) -> DraftConfig:
-    return DraftConfig(**OmegaConf.to_container(cfg.model.draft, resolve=True))
+    return DraftConfig(**OmegaConf.to_container(cfg.draft, resolve=True))
 
 
 def to_eaglet_head(model: Eagle3DraftModel, cfg: DictConfig, manifest: Manifest) -> Eagle3DraftHead:
@@ -189,7 +191,7 @@ def to_eaglet_head(model: Eagle3DraftModel, cfg: DictConfig, manifest: Manifest)
         draft_config(cfg),
         target_hidden_size=manifest.hidden_size,
         vocab_size=manifest.vocab_size,
-        draft_vocab_size=cfg.model.draft_vocab_size,
+        draft_vocab_size=cfg.draft.vocab_size,
         num_aux=len(manifest.aux_layer_ids),
     )
     state = {
@@ -430,22 +432,22 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     manifest = read_manifest(shards)
     if not manifest.complete:
         raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")
-    check_manifest(cfg, manifest, shards)
+    check_manifest(cfg.model, manifest, shards)
     tr = cfg.trainer
     plan = plan_trainer(cfg.hardware, tr)
     if plan.world_size != 1:
         raise ConfigError(
-            f"this comparison runs in one process; hardware={cfg.hardware.name} plans {plan.world_size} devices; run it on one (hardware=cpu trainer.devices=1)"
+            f"this comparison runs in one process; hardware={cfg.hardware.name} plans {plan.world_size} devices; run it on one (hardware=cpu hardware.devices=1)"
         )
-    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.model.draft_vocab_size)
+    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
     datamodule = ShardDataModule(
-        shards, plan.tokens_per_device, tr.val_fraction, tr.seed, num_workers=0, check_finite=True
+        shards, plan.tokens_per_device, tr.val_fraction, cfg.seed, num_workers=0, check_finite=True
     )
     datamodule.setup()
     steps = optimizer_steps(tr, datamodule, plan)
 
-    torch.manual_seed(tr.seed)
-    module = build_module(cfg, manifest, total_steps=steps)
+    torch.manual_seed(cfg.seed)
+    module = build_module(cfg.draft, tr, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=steps)
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
     device = torch.device(
         "cuda" if cfg.hardware.accelerator == "gpu" and torch.cuda.is_available() else "cpu"

@@ -37,8 +37,8 @@ TRIALS: dict[str, list[str]] = {
     "ttt7": ["trainer.ttt_steps=7"],
     "decay1.0": ["trainer.step_loss_decay=1.0"],
     "lm_head_frozen": ["trainer.lm_head_trainable=false"],
-    "vocab4096": ["model.draft_vocab_size=4096"],
-    "vocab16384": ["model.draft_vocab_size=16384"],
+    "vocab4096": ["draft.vocab_size=4096"],
+    "vocab16384": ["draft.vocab_size=16384"],
     "lr3e-4": ["trainer.lr=3e-4"],
     "noise0.05": ["trainer.feature_noise_std=0.05"],
 }

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 import eaglet.config
 
 os.environ["WANDB_MODE"] = "disabled"
-PROJECT_ROOT = eaglet.config.PROJECT_ROOT
+REPO_ROOT = eaglet.config.REPO_ROOT
 
 
 @pytest.fixture(scope="session")
@@ -25,11 +25,13 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def compose(model_cache: Path) -> Iterator[Callable[..., DictConfig]]:
-    """compose(*overrides) -> the composed config, exactly as the entry points see it."""
+    """compose(*overrides) -> the composed and checked config, exactly as the entry points see it."""
 
     def _compose(*overrides: str) -> DictConfig:
         with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-            return hydra.compose("config", overrides=[f"paths.cache_dir={model_cache}", *overrides])
+            cfg = hydra.compose("config", overrides=[f"paths.cache_dir={model_cache}", *overrides])
+        eaglet.config.check_config(cfg)
+        return cfg
 
     yield _compose
     GlobalHydra.instance().clear()

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from eaglet.config import PROJECT_ROOT
+from eaglet.config import REPO_ROOT
 
 
 @pytest.mark.e2e
 def test_one_device_and_ddp_rows_with_equal_losses() -> None:
     cmd = [
-        sys.executable, str(PROJECT_ROOT / "benchmarks" / "bench_multi_gpu.py"), "model=tiny_llama", "hardware=cpu",
+        sys.executable, str(REPO_ROOT / "benchmarks" / "bench_multi_gpu.py"), "model=tiny_llama", "hardware=cpu",
         "devices=2", "strategies=ddp,fsdp", "steps=4", "warmup=1", "docs=20", "doc_tokens=256", "draft_vocab=64",
         "append=0", "run_timeout=300",
     ]  # fmt: skip
@@ -26,4 +26,4 @@ def test_one_device_and_ddp_rows_with_equal_losses() -> None:
     rows = {line.split("|")[5].strip(): line for line in out.splitlines() if line.startswith("| 20")}
     assert set(rows) == {"1 device", "ddp x2", "fsdp x2"}
     assert rows["ddp x2"].rstrip().endswith("| 0.0e+00 (4) |")  # the same global loss at every step
-    assert "failed: error: trainer.strategy=fsdp needs GPUs" in rows["fsdp x2"]  # a failed run is a row
+    assert "failed: error: hardware.strategy=fsdp needs GPUs" in rows["fsdp x2"]  # a failed run is a row

@@ -1,12 +1,21 @@
-"""Every config file composes and validates; typos and wrong types fail naming the key."""
+"""Every config file composes and validates; typos, wrong types and wrong choices fail naming the key;
+contradicting settings fail after composition; where runs read and write."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from eaglet.config import CONF_DIR
+from eaglet.config import CONF_DIR, REPO_ROOT
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -120,3 +129,153 @@ def test_chat_template_variables_are_added_with_a_plus(compose) -> None:
     cfg = compose("model=kimi_k2_5", "+model.chat_template_kwargs.thinking=false")
     assert dict(cfg.model.chat_template_kwargs) == {"thinking": False}
     assert dict(compose().model.chat_template_kwargs) == {}
+
+
+# ---- choices, checks after composition, the draft group, the project root ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "allowed"),
+    [
+        ("trainer.attention=flexx", "trainer.attention", "[auto, flex, sdpa]"),
+        ("export.format=onnx", "export.format", "[eagle, speculators]"),
+        ("export.format=gguf", "export.format", "[eagle, speculators]"),
+        ("sweep.tau_source=bogus", "sweep.tau_source", "[decode, sim]"),
+        ("extract.backend=sglang", "extract.backend", "[transformers, vllm]"),
+        ("hardware.interconnect=infiniband", "hardware.interconnect", "[none, pcie, nvlink]"),
+        ("plan.dtypes=[int8]", "plan.dtypes", "[bfloat16, float16, float32]"),
+    ],
+)
+def test_a_wrong_choice_fails_at_composition(compose, override: str, key: str, allowed: str) -> None:
+    with pytest.raises(ConfigCompositionException) as exc:
+        compose(override)
+    message = str(exc.value) + str(exc.value.__cause__)
+    assert key in message and f"expected one of {allowed}" in message
+
+
+def test_a_wrong_choice_stops_the_entry_point_before_any_work() -> None:
+    command = [sys.executable, str(REPO_ROOT / "train.py"), "trainer.attention=flexx", "--cfg", "job"]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode != 0 and not proc.stdout
+    assert "trainer.attention" in proc.stderr and "expected one of [auto, flex, sdpa]" in proc.stderr
+
+
+def test_choices_are_plain_strings_wherever_the_config_is_recorded(compose) -> None:
+    from eaglet.config.plain import plain_config
+
+    cfg = compose("trainer.attention=flex", "export.format=speculators")
+    assert cfg.trainer.attention == "flex" and f"{cfg.export.format}" == "speculators"
+    recorded = plain_config(cfg)  # W&B's config, the JSON reports
+    assert type(recorded["trainer"]["attention"]) is str and type(recorded["plan"]["dtypes"][0]) is str
+    assert "attention: flex" in OmegaConf.to_yaml(cfg)  # .hydra/config.yaml
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.ttt_steps=0"], "trainer.ttt_steps must be >= 1"),
+        (["trainer.val_fraction=1.0"], "trainer.val_fraction must be in [0, 1)"),
+        (["hardware.devices=0"], "hardware.devices must be >= 1"),
+        (["hardware.strategy=fsdp"], "hardware.strategy=fsdp needs GPUs"),
+        (["hardware=h200_x2", "hardware.strategy=fsdp", "trainer.embed_dtype=bfloat16"], "embed_dtype"),
+        (["draft.num_key_value_heads=2"], "draft.num_attention_heads=9 is not a multiple"),
+        (
+            ["draft=llama3_1_8b"],
+            "draft.hidden_size=4096 must equal the target's hidden size model.hidden_size=576",
+        ),
+        (["draft.vocab_size=0"], "draft.vocab_size must be >= 1"),
+        (["plan.compare=[cpu,cpu]"], "plan.compare lists ['cpu'] more than once"),
+        (
+            ["plan.calibration.training_efficiency=1.5"],
+            "plan.calibration.training_efficiency must lie in (0, 1]",
+        ),
+    ],
+)
+def test_contradicting_settings_fail_after_composition_naming_the_key(
+    compose, overrides: list[str], message: str
+) -> None:
+    from eaglet.config import check_config
+    from eaglet.errors import ConfigError
+
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra.compose("config", overrides=overrides)
+    GlobalHydra.instance().clear()
+    with pytest.raises(ConfigError) as exc:
+        check_config(cfg)
+    assert message in str(exc.value)
+    with pytest.raises(ConfigError):  # the tests' compose checks as the entry points do
+        compose(*overrides)
+
+
+@pytest.mark.parametrize("model", GROUPS["model"])
+def test_every_model_selects_its_draft_head(compose, model: str) -> None:
+    cfg = compose(f"model={model}")  # checked: the draft's hidden size is the target's
+    assert cfg.draft == compose(f"model={model}", f"draft={model}").draft
+
+
+def test_draft_shape_and_vocab_follow_the_model_and_override_alone(compose) -> None:
+    kimi = compose("model=kimi_k2_5").draft
+    assert (kimi.hidden_size, kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim) == (
+        7168,
+        64,
+        64,
+        128,
+    )
+    assert (kimi.intermediate_size, kimi.rope_theta, kimi.vocab_size) == (18432, 50000.0, 32000)
+    assert compose().draft.vocab_size == 2048  # the embedded smollm2_135m
+    cfg = compose("model=kimi_k2_5", "draft.vocab_size=8192")
+    assert cfg.draft.vocab_size == 8192 and cfg.draft.head_dim == 128
+
+
+def test_a_model_of_your_own_without_a_draft_file_is_asked_for_one(tmp_path: Path) -> None:
+    from eaglet.config import check_config
+    from eaglet.errors import ConfigError
+
+    (tmp_path / "model").mkdir()
+    mine = (CONF_DIR / "model" / "tiny_llama.yaml").read_text().replace("name: tiny_llama", "name: mine")
+    (tmp_path / "model" / "mine.yaml").write_text(mine)
+    try:
+        with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra.compose("config", overrides=[f"hydra.searchpath=[file://{tmp_path}]", "model=mine"])
+            check_config(
+                hydra.compose(
+                    "config",
+                    overrides=[f"hydra.searchpath=[file://{tmp_path}]", "model=mine", "draft=tiny_llama"],
+                )
+            )
+    finally:
+        GlobalHydra.instance().clear()
+    with pytest.raises(ConfigError, match=r"model=mine has no draft head .*add conf/draft/mine.yaml"):
+        check_config(cfg)
+
+
+def _clone(root: Path) -> Path:
+    """A checkout without the package: an entry script and its config groups; the code is the shared one."""
+    root.mkdir()
+    shutil.copy(REPO_ROOT / "plan.py", root)
+    shutil.copytree(CONF_DIR, root / "conf")
+    return root
+
+
+def _plan(clone: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(clone / "plan.py"), "hardware=h200_x1", "plan.tokens=100000", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=clone, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_two_clones_sharing_one_virtualenv_each_write_their_own_data_and_outputs(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLET_")}
+    clones = [_clone(tmp_path / name) for name in ("first", "second")]
+    before = set((REPO_ROOT / "outputs" / "plan").glob("*"))
+    for clone in clones:
+        paths = OmegaConf.create(_plan(clone, env, "--cfg", "job", "--resolve").stdout).paths
+        assert (paths.data_dir, paths.output_dir) == (str(clone / "data"), str(clone / "outputs"))
+        assert (paths.cache_dir, paths.shared_data) == (str(clone / ".cache"), str(clone / "../shared/data"))
+        _plan(clone, env)  # a run: Hydra writes its folder under the clone's outputs/
+        assert len(list((clone / "outputs" / "plan").glob("*/.hydra/config.yaml"))) == 1
+    assert set((REPO_ROOT / "outputs" / "plan").glob("*")) == before  # nothing went to the package's checkout
+    # $EAGLET_ROOT wins over the working directory.
+    shown = _plan(clones[0], {**env, "EAGLET_ROOT": str(clones[1])}, "--cfg", "job", "--resolve")
+    paths = OmegaConf.create(shown.stdout).paths
+    assert (paths.data_dir, paths.output_dir) == (str(clones[1] / "data"), str(clones[1] / "outputs"))

@@ -104,5 +104,3 @@ def test_export_both_formats_and_refuse_a_full_folder(compose, shards, run_dir: 
         run_export(compose(*base, f"export.out_dir={tmp_path / 'eagle'}"))
     spec = run_export(compose(*base, "export.format=speculators", f"export.out_dir={tmp_path / 'spec'}"))
     assert check_speculators_folder(spec)
-    with pytest.raises(ConfigError, match="export.format"):
-        run_export(compose(*base, "export.format=gguf"))

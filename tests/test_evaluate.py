@@ -30,6 +30,7 @@ from eaglet.formats.reader import load_eagle_draft
 from eaglet.formats.writer import export_eagle
 from eaglet.generation import decode_batch
 from eaglet.model.draft_head import Eagle3DraftHead
+from eaglet.plan.configs import load_draft
 from eaglet.target_model import capture_hidden_states, load_target, resolve_aux_layer_ids
 from eaglet.train.ttt import ttt_forward
 
@@ -89,14 +90,15 @@ def _randomise_norms(head: Eagle3DraftHead, seed: int) -> None:
 def eagle_head(tiny) -> tuple[Eagle3DraftHead, list[int]]:
     """A random-weight head on the tiny target's embeddings and lm_head rows."""
     cfg, loaded = tiny
+    draft = load_draft(cfg.name)
     torch.manual_seed(0)
     head = Eagle3DraftHead(
-        cfg.draft,
+        draft,
         target_hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
-        draft_vocab_size=cfg.draft_vocab_size,
+        draft_vocab_size=draft.vocab_size,
     )
-    d2t, t2d = _vocab_map(cfg.vocab_size, cfg.draft_vocab_size, seed=1)
+    d2t, t2d = _vocab_map(cfg.vocab_size, draft.vocab_size, seed=1)
     head.init_from_target(
         loaded.parts.embed_tokens.weight, loaded.parts.lm_head.weight, d2t, t2d, lm_head_trainable=False
     )

@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglet.config import PROJECT_ROOT
+from eaglet.config import REPO_ROOT
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.stage import run_extraction
 from eaglet.shards import ShardReader, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.target_model import load_target
 
-SHARED = PROJECT_ROOT.parent / "shared" / "data"
+SHARED = REPO_ROOT.parent / "shared" / "data"
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -153,7 +153,7 @@ def test_layer_id_out_of_range(compose, tmp_path: Path) -> None:
 def extract_cmd(data: Path, out: Path, cache: Path) -> list[str]:
     return [
         sys.executable,
-        str(PROJECT_ROOT / "extract.py"),
+        str(REPO_ROOT / "extract.py"),
         *overrides(data, out, "extract.shard_tokens=300"),
         f"paths.cache_dir={cache}",
     ]
@@ -236,7 +236,7 @@ def test_conversations_without_assistant_are_skipped_and_counted(compose, tmp_pa
 
 def test_answers_of_another_model_are_not_imported(compose, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
-    shipped = PROJECT_ROOT / "experiments" / "data" / "smollm2_135m_shared_all.jsonl.gz"
+    shipped = REPO_ROOT / "experiments" / "data" / "smollm2_135m_shared_all.jsonl.gz"
     regen = ["extract.regenerate.enabled=true", f"extract.regenerate.import_from={shipped}"]
     with pytest.raises(ConfigError, match="does not start with the target's name 'tiny_llama'"):
         run_extraction(compose(*overrides(data, tmp_path / "out", *regen)))

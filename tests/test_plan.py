@@ -17,11 +17,12 @@ from eaglet.config.schema import DraftConfig, HardwareConfig, ModelConfig, PlanC
 from eaglet.errors import ConfigError, DataError
 from eaglet.plan.acceptance import AcceptanceCurve, acceptance_curve, conditional_from_rates
 from eaglet.plan.benchmarks import number, parse_benchmarks
-from eaglet.plan.configs import default_plan, load_hardware, load_model
-from eaglet.plan.data_size import estimate_data_size
+from eaglet.plan.configs import default_plan, load_draft, load_hardware, load_model
+from eaglet.plan.data_size import DataSize, estimate_data_size
 from eaglet.plan.disk import ITEMSIZE, estimate_disk, shard_bytes_per_token
 from eaglet.plan.extraction import prefill_seconds_per_token
 from eaglet.plan.serving import predicted_speedup, serving_point
+from eaglet.plan.stage import shard_folder
 from eaglet.plan.target_cost import expected_distinct_experts, forward_weight_bytes, ring_allreduce_seconds
 from eaglet.plan.training import (
     LOSS_BYTES_PER_LOGIT,
@@ -45,7 +46,7 @@ def tiny_model(**overrides) -> ModelConfig:
     fields = dict(
         name="tiny", architecture="llama", num_layers=2, hidden_size=4, num_attention_heads=1,
         num_key_value_heads=1, head_dim=4, intermediate_size=8, vocab_size=10, total_params_b=1e-7,
-        active_params_b=1e-7, weight_bits=16, draft=TINY_DRAFT,
+        active_params_b=1e-7, weight_bits=16,
     )  # fmt: skip
     return ModelConfig(**{**fields, **overrides})
 
@@ -200,9 +201,9 @@ def test_compiled_layer_has_its_own_efficiency():
 
 
 def test_training_time_per_epoch():
-    model = tiny_model(draft_vocab_size=5)
+    model, draft = tiny_model(), dataclasses.replace(TINY_DRAFT, vocab_size=5)
     trainer = TrainerConfig(ttt_steps=2, lm_head_trainable=False, global_batch_tokens=8192, val_fraction=0.0)
-    shape = HeadShape.of(model, trainer)
+    shape = HeadShape.of(model, draft, trainer)
     # 1 MFLOP/s at half efficiency; 6-token rows = the attention context; bandwidth plenty.
     hardware = one_device(bf16_tflops=1e-6, tokens_per_device=6, memory_bandwidth_gbs=1e9)
     common = dict(tokens=1000, loss_fraction=0.5, mean_document_context=0.0, attention_keys="row")
@@ -231,7 +232,7 @@ def test_training_time_per_epoch():
 def test_speedup_of_a_memory_bound_dense_target():
     # One device, no all-reduce, no KV cache, compute negligible: speedup = τ · W / (K · D + W), W and D the
     # bytes of the target's and the draft's weights.
-    model = tiny_model(active_params_b=1.0, total_params_b=1.0, hidden_size=8, draft_vocab_size=32)
+    model = tiny_model(active_params_b=1.0, total_params_b=1.0, hidden_size=8)
     draft = DraftConfig(
         hidden_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8, intermediate_size=16
     )
@@ -248,8 +249,8 @@ def test_moe_verification_costs_more_than_dense():
     plan = default_plan()
     kimi, llama = load_model("kimi_k2_5"), load_model("llama3_1_8b")
     hw = load_hardware("b200_nvl8")
-    moe = serving_point(kimi, hw, kimi.draft, 32000, 2.5, 3, plan)
-    dense = serving_point(llama, hw, llama.draft, 32000, 2.5, 3, plan)
+    moe = serving_point(kimi, hw, load_draft("kimi_k2_5"), 32000, 2.5, 3, plan)
+    dense = serving_point(llama, hw, load_draft("llama3_1_8b"), 32000, 2.5, 3, plan)
     # Kimi-K2.5: 60 MoE layers of 384 experts (3·7168·2048 parameters, INT4), the other active ones bf16;
     # 4 tokens read 384·(1 − (1 − 8/384)⁴) ≈ 31 experts per layer instead of 8 (the KV cache adds ~1%).
     expert = 3 * 7168 * 2048
@@ -266,7 +267,7 @@ def test_pcie_allreduce_reproduces_the_measured_share():
         plan, serving=dataclasses.replace(plan.serving, context_tokens=0, batch_size=1)
     )
     kimi, pcie = load_model("kimi_k2_5"), load_hardware("rtx_pro6000_x8")
-    plain = serving_point(kimi, pcie, kimi.draft, 32000, 1.0, 1, plan).plain
+    plain = serving_point(kimi, pcie, load_draft("kimi_k2_5"), 32000, 1.0, 1, plan).plain
     assert plain.allreduce / plain.seconds == pytest.approx(plan.calibration.pcie_allreduce_share)
 
 
@@ -335,6 +336,12 @@ def test_several_tables_under_one_heading(tmp_path: Path):
 # ---- data size -----------------------------------------------------------------------------------------
 
 
+def data_size(cfg) -> DataSize:
+    """estimate_data_size on the slices plan.py passes it."""
+    cfg = OmegaConf.to_object(cfg)
+    return estimate_data_size(cfg.plan, cfg.dataset, cfg.extract, shard_folder(cfg))
+
+
 def _write_jsonl(path: Path) -> None:
     records = [{"id": str(i), "conversations": [{"role": "user", "content": "u" * 40},
                                                 {"role": "assistant", "content": "a" * 80}]} for i in range(2)]  # fmt: skip
@@ -351,31 +358,27 @@ def test_data_size_from_files(compose, tmp_path: Path):
         "plan.chars_per_token=4",
     ]
     # user 40/4 + 6 = 16 tokens, assistant 80/4 + 6 = 26: 42 per conversation, 26 trained.
-    size = estimate_data_size(OmegaConf.to_object(compose(*base, "extract.regenerate.enabled=false")))
+    size = data_size(compose(*base, "extract.regenerate.enabled=false"))
     assert (size.conversations, size.tokens, size.generated_tokens) == (2, 84, 0)
     assert size.loss_fraction == pytest.approx(26 / 42)
     assert size.mean_context == pytest.approx(42 * 43 / 2 / 42)
     # Regenerated: the answer is as long as the original (20), capped at 8 new tokens, after a 16-token prompt.
-    regen = estimate_data_size(
-        OmegaConf.to_object(
-            compose(*base, "extract.regenerate.enabled=true", "extract.regenerate.max_new_tokens=8")
-        )
+    regen = data_size(
+        compose(*base, "extract.regenerate.enabled=true", "extract.regenerate.max_new_tokens=8")
     )
     assert (regen.tokens, regen.generated_tokens, regen.prefill_tokens) == (2 * 30, 2 * 8, 2 * 16)
-    more = estimate_data_size(
-        OmegaConf.to_object(compose(*base, "extract.regenerate.enabled=false", "plan.conversations=1000"))
-    )
+    more = data_size(compose(*base, "extract.regenerate.enabled=false", "plan.conversations=1000"))
     assert (more.conversations, more.tokens) == (1000, 1000 * 42)
 
 
 def test_data_size_needs_files_or_overrides(compose, tmp_path: Path):
     missing = ["dataset=jsonl", f"dataset.paths=[{tmp_path / 'none.jsonl'}]"]
     with pytest.raises(ConfigError, match="cannot size the data"):
-        estimate_data_size(OmegaConf.to_object(compose(*missing)))
-    size = estimate_data_size(OmegaConf.to_object(compose(*missing, "plan.tokens=1000000")))
+        data_size(compose(*missing))
+    size = data_size(compose(*missing, "plan.tokens=1000000"))
     assert size.tokens == 1_000_000 and size.loss_fraction == 1.0
     with pytest.raises(ConfigError, match="plan.tokens must be > 0"):
-        estimate_data_size(OmegaConf.to_object(compose(*missing, "plan.tokens=0")))
+        data_size(compose(*missing, "plan.tokens=0"))
 
 
 def test_plan_config_defaults_compose(compose):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglet.config import PROJECT_ROOT
+from eaglet.config import REPO_ROOT
 
 
 def driver(out: Path, cache: Path, *options: str) -> subprocess.CompletedProcess:
@@ -19,10 +19,10 @@ def driver(out: Path, cache: Path, *options: str) -> subprocess.CompletedProcess
         f"hardware=cpu dataset=oasst_en100 dataset.max_records_per_file=16 extract.regenerate.max_new_tokens=24 "
         f"extract.max_length=256 extract.output_dir={out}/shards paths.data_dir={out}/data paths.cache_dir={cache} "
         "hardware.tokens_per_device=512 trainer.global_batch_tokens=512 trainer.max_steps=3 trainer.val_fraction=0.3 "
-        "eval.prompts_per_set=1 eval.max_new_tokens=8 eval.sets=[math] model.draft_vocab_size=64 "
+        "eval.prompts_per_set=1 eval.max_new_tokens=8 eval.sets=[math] draft.vocab_size=64 "
         "extract.regenerate.import_from=null"
     )
-    cmd = [sys.executable, str(PROJECT_ROOT / "recipes" / "smollm2_gpu.py"), f"out={out}", "eval_device=cpu",
+    cmd = [sys.executable, str(REPO_ROOT / "recipes" / "smollm2_gpu.py"), f"out={out}", "eval_device=cpu",
            "per_gpu=2", "sweep_prompts=1", "final_epochs=1", f"extra={tiny}", *options]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -54,13 +54,13 @@ def test_recipe_runs_every_stage_and_resumes(tmp_path: Path, model_cache: Path) 
 
 
 def test_unknown_option_is_named() -> None:
-    cmd = [sys.executable, str(PROJECT_ROOT / "recipes" / "smollm2_gpu.py"), "epochs=3"]
+    cmd = [sys.executable, str(REPO_ROOT / "recipes" / "smollm2_gpu.py"), "epochs=3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown option 'epochs'" in proc.stderr
 
 
 def _driver_module():
-    spec = importlib.util.spec_from_file_location("smollm2_gpu", PROJECT_ROOT / "recipes" / "smollm2_gpu.py")
+    spec = importlib.util.spec_from_file_location("smollm2_gpu", REPO_ROOT / "recipes" / "smollm2_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -276,10 +276,10 @@ def test_a_killed_run_resumes_to_the_same_answers(target, tmp_path: Path, monkey
 
 
 def test_sampled_answers_do_not_depend_on_batching_or_resume(target, tmp_path: Path) -> None:
-    def run(path: Path, conversations, **overrides) -> list[tuple[Turn, ...]]:
+    def run(path: Path, conversations, seed: int = 0, **overrides) -> list[tuple[Turn, ...]]:
         cfg = RegenerateConfig(enabled=True, max_new_tokens=8, temperature=1.0, top_p=0.9, **overrides)
         out, _ = regenerate_conversations(
-            target.model, target.tokenizer, conversations, cfg=cfg, out_path=path, max_length=512
+            target.model, target.tokenizer, conversations, cfg=cfg, out_path=path, max_length=512, seed=seed
         )
         return [c.turns for c in out]
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import data_overrides, shards  # noqa: F401  (module fixture: shards by the real extraction)
 
-from eaglet.config import PROJECT_ROOT
+from eaglet.config import REPO_ROOT
 from eaglet.errors import ConfigError
 from eaglet.shards import build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE
@@ -21,7 +21,7 @@ from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.run import build_module, optimizer_steps
 
-SCRIPT = PROJECT_ROOT / "benchmarks" / "side_by_side_speculators.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "side_by_side_speculators.py"
 TTT = 3
 
 
@@ -62,9 +62,11 @@ def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_ca
     opts, overrides = sbs.parse_args(script_args(shards, model_cache))
     cfg = sbs.compose_config(opts, overrides)
     manifest = read_manifest(shards)
-    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.model.draft_vocab_size)
+    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
     torch.manual_seed(0)
-    module = build_module(cfg, manifest, total_steps=2)
+    module = build_module(
+        cfg.draft, cfg.trainer, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=2
+    )
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
     ours = module.head.eval()
     theirs = sbs.build_speculators(module, cfg, manifest, torch.device("cpu")).eval()

@@ -11,6 +11,7 @@ import torch
 
 from eaglet.evaluate import Eagle3Proposer, NgramProposer, TargetState, greedy_decode, speculative_decode
 from eaglet.model.draft_head import Eagle3DraftHead
+from eaglet.plan.configs import load_draft
 from eaglet.sweeps.collect import load_trials
 from eaglet.sweeps.decode import replayed_curve
 from eaglet.sweeps.replay import replay, replay_all, trace_prompt
@@ -46,7 +47,7 @@ def eagle_head(tiny) -> Eagle3DraftHead:
     cfg, loaded = tiny
     torch.manual_seed(0)
     head = Eagle3DraftHead(
-        cfg.draft,
+        load_draft(cfg.name),
         target_hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         draft_vocab_size=cfg.vocab_size,
@@ -172,13 +173,13 @@ def test_a_failing_trial_is_recorded_and_returns_nan(compose, tmp_path: Path, mo
 
     monkeypatch.setattr(trial, "run_training", out_of_memory)
     monkeypatch.setattr(trial, "finish_wandb", lambda failed: finished.append(failed))
-    cfg = compose("sweep.enabled=true", "model.draft_vocab_size=32000")
+    cfg = compose("sweep.enabled=true", "draft.vocab_size=32000")
     value = trial.run_trial(cfg, tmp_path / "7")
     record = json.loads((tmp_path / "7" / trial.TRIAL_FILE).read_text())
     assert value is None and finished == [True]  # optuna's sweeper counts a non-number as a failed trial
     assert record["status"] == "failed" and record["draft_vocab_size"] == 32000
     assert record["error"].startswith("OutOfMemoryError: CUDA out of memory")
-    (row,) = build_rows(load_trials(tmp_path), resolve_deployment(cfg.model, cfg.hardware))
+    (row,) = build_rows(load_trials(tmp_path), resolve_deployment(cfg.model, cfg.draft, cfg.hardware))
     assert row.status == "failed" and row.tau == [] and "OutOfMemoryError" in row.error
 
 
@@ -208,8 +209,7 @@ def test_measurements_go_to_the_trials_wandb_summary(monkeypatch) -> None:
     ("setting", "match"),
     [
         ("sweep.max_draft_length=0", "max_draft_length"),
-        ("sweep.tau_source=bogus", "tau_source"),
-        ("trainer.devices=2", "hydra.launcher.tasks_per_node=2"),  # DDP ranks come from the launcher
+        ("hardware.devices=2", "hydra.launcher.tasks_per_node=2"),  # DDP ranks come from the launcher
     ],
 )
 def test_bad_sweep_settings_fail_the_trial_before_training(compose, tmp_path: Path, setting, match) -> None:
@@ -256,7 +256,7 @@ def _fake_sweep(root: Path, deployment: Deployment) -> dict[int, dict]:
 def test_summary_table_heatmap_and_recommendation(tmp_path: Path, capsys) -> None:
     from eaglet.plan.configs import load_hardware, load_model
 
-    deployment = Deployment(load_model("llama3_1_8b"), load_hardware("h200_x1"))
+    deployment = Deployment(load_model("llama3_1_8b"), load_draft("llama3_1_8b"), load_hardware("h200_x1"))
     written = _fake_sweep(tmp_path, deployment)
     assert summarize_main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
@@ -284,10 +284,10 @@ def test_summary_table_heatmap_and_recommendation(tmp_path: Path, capsys) -> Non
 def test_summary_for_other_hardware_predicts_again_and_shards_the_draft(tmp_path: Path) -> None:
     from eaglet.plan.configs import load_hardware, load_model
 
-    deployment = Deployment(load_model("llama3_1_8b"), load_hardware("h200_x1"))
+    deployment = Deployment(load_model("llama3_1_8b"), load_draft("llama3_1_8b"), load_hardware("h200_x1"))
     written = _fake_sweep(tmp_path, deployment)
     result = summarize(tmp_path, hardware="b200_nvl8")
-    b200 = Deployment(load_model("llama3_1_8b"), load_hardware("b200_nvl8"))
+    b200 = Deployment(load_model("llama3_1_8b"), load_draft("llama3_1_8b"), load_hardware("b200_nvl8"))
     for row in result.rows:
         if row.status == "ok":
             assert row.speedup == predicted_speedups(b200, row.draft_vocab_size, written[row.trial]["tau"])
@@ -327,7 +327,7 @@ def test_sweep_files_compose_into_multiruns(model_cache: Path, name: str, sweepe
         GlobalHydra.instance().clear()
     assert cfg.sweep.enabled and cfg.hydra.mode.name == "MULTIRUN"
     assert sweeper in cfg.hydra.sweeper._target_ and "submitit" in cfg.hydra.launcher._target_
-    assert set(cfg.hydra.sweeper.params) == {"trainer.ttt_steps", "model.draft_vocab_size"}
+    assert set(cfg.hydra.sweeper.params) == {"trainer.ttt_steps", "draft.vocab_size"}
     # One folder per sweep, named after it: also the W&B group of its trials.
     assert Path(cfg.hydra.sweep.dir).name.startswith(f"{name}-")
 
@@ -368,10 +368,10 @@ def _sweep(name: str, shards: Path, out: Path, cache: Path, *extra: str) -> Path
     import subprocess
     import sys
 
-    from eaglet.config import PROJECT_ROOT
+    from eaglet.config import REPO_ROOT
 
     cmd = [
-        sys.executable, str(PROJECT_ROOT / "train.py"), f"sweeps={name}", *_data(shards),
+        sys.executable, str(REPO_ROOT / "train.py"), f"sweeps={name}", *_data(shards),
         f"paths.cache_dir={cache}", f"paths.output_dir={out}",
         "trainer.max_steps=2", "hardware.tokens_per_device=512", "trainer.global_batch_tokens=512",
         "trainer.val_fraction=0.3", "sweep.max_draft_length=3", *extra,
@@ -410,7 +410,7 @@ def test_grid_sweep_end_to_end(smol_shards: Path, tmp_path: Path, model_cache: P
     # 100000 exceeds SmolLM2's vocab: those trials fail, and the study goes on.
     sweep_dir = _sweep(
         "draft_length_vocab", smol_shards, tmp_path, model_cache,
-        "trainer.ttt_steps=1,2", "model.draft_vocab_size=64,100000", "hydra.sweeper.max_batch_size=4",
+        "trainer.ttt_steps=1,2", "draft.vocab_size=64,100000", "hydra.sweeper.max_batch_size=4",
         "eval.sets=[math]", "eval.prompts_per_set=1", "eval.max_new_tokens=8",
     )  # fmt: skip
     records = _trial_records(sweep_dir)
@@ -436,9 +436,9 @@ def test_optuna_sweep_end_to_end(smol_shards: Path, tmp_path: Path, model_cache:
     sweep_dir = _sweep(
         "optuna_tau", smol_shards, tmp_path, model_cache,
         "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
-        "trainer.ttt_steps=choice(1,2)", "model.draft_vocab_size=choice(64,100000)", "sweep.tau_source=sim",
+        "trainer.ttt_steps=choice(1,2)", "draft.vocab_size=choice(64,100000)", "sweep.tau_source=sim",
         # Each trial runs DDP over two processes that submitit starts (never DDP inside the sweep's process).
-        "trainer.devices=2", "hydra.launcher.tasks_per_node=2", "trainer.global_batch_tokens=1024",
+        "hardware.devices=2", "hydra.launcher.tasks_per_node=2", "trainer.global_batch_tokens=1024",
     )  # fmt: skip
     records = _trial_records(sweep_dir)
     ok = {n: r for n, r in records.items() if r["status"] == "ok"}

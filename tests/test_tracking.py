@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.config.plain import plain_config
 from eaglet.train import tracking
+
+
+def _tracked(cfg) -> tuple:
+    """make_loggers' first arguments, as run_training passes them: the W&B settings and the whole config."""
+    return cfg.wandb, plain_config(cfg)
 
 
 def test_offline_unless_logged_in(compose, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -14,7 +20,7 @@ def test_offline_unless_logged_in(compose, tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setattr(tracking, "WandbLogger", lambda **kwargs: ("wandb", kwargs))
-    loggers = tracking.make_loggers(compose(), tmp_path, job_type="train")
+    loggers = tracking.make_loggers(*_tracked(compose()), tmp_path, job_type="train")
     import os
 
     assert os.environ["WANDB_MODE"] == "offline"
@@ -27,12 +33,12 @@ def test_logged_in_stays_online_and_disabled_means_csv_only(compose, tmp_path: P
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setattr(tracking, "WandbLogger", lambda **kwargs: "wandb")
-    tracking.make_loggers(compose(), tmp_path, job_type="train")
+    tracking.make_loggers(*_tracked(compose()), tmp_path, job_type="train")
     import os
 
     assert "WANDB_MODE" not in os.environ
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert len(tracking.make_loggers(compose(), tmp_path, job_type="train")) == 1
+    assert len(tracking.make_loggers(*_tracked(compose()), tmp_path, job_type="train")) == 1
 
 
 @pytest.mark.e2e
@@ -40,7 +46,7 @@ def test_an_offline_run_is_written_and_finished(
     compose, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
-    loggers = tracking.make_loggers(compose("wandb.tags=[test]"), tmp_path, job_type="train")
+    loggers = tracking.make_loggers(*_tracked(compose("wandb.tags=[test]")), tmp_path, job_type="train")
     loggers[1].log_metrics({"train/loss": 1.0}, step=0)
     tracking.finish_wandb(failed=False)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))

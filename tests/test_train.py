@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglet.config import PROJECT_ROOT
+from eaglet.config import REPO_ROOT
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.stage import run_extraction
 from eaglet.train.run import resolve_ckpt_path, run_training
 
-SHARED = PROJECT_ROOT.parent / "shared" / "data"
+SHARED = REPO_ROOT.parent / "shared" / "data"
 CONTRACT = {
     "embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
@@ -37,7 +37,7 @@ def data_overrides(shards: Path) -> list[str]:
         "extract.regenerate.enabled=false",
         f"extract.output_dir={shards}",
         "extract.max_length=256",
-        "model.draft_vocab_size=256",
+        "draft.vocab_size=256",
     ]
 
 
@@ -103,23 +103,23 @@ def test_fit_writes_checkpoints_metrics_report_and_export(compose, shards: Path,
     ("extra", "error", "match"),
     [
         (["trainer.ttt_steps=0"], ConfigError, "ttt_steps"),
-        (["model.draft_vocab_size=60000"], ConfigError, "draft_vocab_size"),
-        (["model.draft_vocab_size=20000"], ConfigError, "distinct"),
+        (["draft.vocab_size=60000"], ConfigError, "draft_vocab_size"),
+        (["draft.vocab_size=20000"], ConfigError, "distinct"),
         (["trainer.global_batch_tokens=1000"], ConfigError, "global_batch_tokens"),
         (["model.aux_layer_ids=[1,2,3]"], DataError, "aux_layer_ids"),
-        (["model.hidden_size=32", "model.draft.hidden_size=32"], DataError, "hidden_size"),
+        (["model.hidden_size=32", "draft.hidden_size=32"], DataError, "hidden_size"),
         (["hardware=h200_x1"], ConfigError, "hardware=h200_x1 needs 1"),
-        (["trainer.strategy=fsdp"], ConfigError, "fsdp needs GPUs"),
-        (["trainer.strategy=deepspeed"], ConfigError, "strategy='deepspeed' is not one of"),
+        (["hardware.strategy=fsdp"], ConfigError, "fsdp needs GPUs"),
+        (["hardware.strategy=deepspeed"], ConfigError, "strategy='deepspeed' is not one of"),
         (["ckpt_path=last", "paths.output_dir=/nonexistent"], ConfigError, "ckpt_path=last"),
     ],
 )
 def test_bad_settings_fail_before_training(
     compose, shards: Path, tmp_path: Path, extra, error, match
 ) -> None:
-    cfg = compose(*train_overrides(shards, tmp_path), *extra)
+    # Settings wrong without any data fail at compose (check_config), as in train.py.
     with pytest.raises(error, match=match):
-        run_training(cfg, tmp_path / "run")
+        run_training(compose(*train_overrides(shards, tmp_path), *extra), tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -141,7 +141,7 @@ def test_resolve_last_checkpoint(tmp_path: Path) -> None:
 
 def train_cmd(shards: Path, out: Path, cache: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, str(PROJECT_ROOT / "train.py"), *train_overrides(shards, out, "trainer.max_steps=10", *extra),
+        sys.executable, str(REPO_ROOT / "train.py"), *train_overrides(shards, out, "trainer.max_steps=10", *extra),
         f"paths.cache_dir={cache}", f"hydra.run.dir={out}/run",
     ]  # fmt: skip
 
@@ -182,13 +182,13 @@ def test_killed_training_resumes_to_the_same_weights(shards: Path, tmp_path: Pat
 
 @pytest.mark.e2e
 def test_two_process_ddp_equals_one_process(shards: Path, tmp_path: Path, model_cache: Path) -> None:
-    """hardware=cpu trainer.devices=2 (DDP over gloo) = one process with the same global batch."""
+    """hardware=cpu hardware.devices=2 (DDP over gloo) = one process with the same global batch."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     runs = {}
     for devices in (1, 2):
         out = tmp_path / f"devices{devices}"
         cmd = train_cmd(
-            shards, out, model_cache, "trainer.max_steps=4", "trainer.lr=1e-2", f"trainer.devices={devices}"
+            shards, out, model_cache, "trainer.max_steps=4", "trainer.lr=1e-2", f"hardware.devices={devices}"
         )
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -39,7 +39,7 @@ from transformers import (
     LlamaConfig,
 )
 
-from eaglet.config import PROJECT_ROOT
+from eaglet.config import REPO_ROOT
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.templating import tokenize_conversation
 from eaglet.errors import ConfigError, DataError
@@ -57,7 +57,7 @@ from eaglet.shards import ShardReader, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.target_model import capture_hidden_states, config_hash, find_target_parts, load_tokenizer
 
-SHARED = PROJECT_ROOT.parent / "shared" / "data"
+SHARED = REPO_ROOT.parent / "shared" / "data"
 TINY = {"num_layers": 6, "hidden_size": 64, "vocab_size": 49152}
 
 
@@ -421,7 +421,8 @@ def test_gate_fails_at_start_of_the_stage(compose, monkeypatch: pytest.MonkeyPat
 
 
 def test_kimi_k2_5_config_has_the_true_dimensions(compose) -> None:
-    m = compose("model=kimi_k2_5").model
+    cfg = compose("model=kimi_k2_5")
+    m, draft = cfg.model, cfg.draft
     assert (m.architecture, m.num_layers, m.hidden_size, m.vocab_size) == ("kimi_k25", 61, 7168, 163840)
     assert (m.num_experts, m.num_experts_per_tok, m.num_shared_experts) == (384, 8, 1)
     # multi-head latent attention: query/key head 192 = nope 128 + rope 64; the draft uses head_dim 128
@@ -432,7 +433,7 @@ def test_kimi_k2_5_config_has_the_true_dimensions(compose) -> None:
         128,
         192,
     )
-    assert (m.draft.hidden_size, m.draft.head_dim, m.draft.num_attention_heads) == (7168, 128, 64)
+    assert (draft.hidden_size, draft.head_dim, draft.num_attention_heads) == (7168, 128, 64)
     assert m.aux_layer_ids == [2, 30, 58] and m.weight_bits == 4
     assert m.layer_path == "language_model.model.layers" and m.trust_remote_code is False
     assert str(version.required_version(m.architecture)) == "0.25.0"
@@ -762,7 +763,7 @@ def test_engine_backend_builds_llm_from_the_config(
 def extract_cmd(target_dir: Path, data: Path, out: Path, fake: FakeVllmServer, cache: Path) -> list[str]:
     return [
         sys.executable,
-        str(PROJECT_ROOT / "extract.py"),
+        str(REPO_ROOT / "extract.py"),
         *vllm_overrides(target_dir, data, out, fake, "extract.shard_tokens=300"),
         f"paths.cache_dir={cache}",
     ]

@@ -42,7 +42,7 @@ def test_mapping_errors() -> None:
     with pytest.raises(ConfigError, match=r"draft_vocab_size=9 exceeds the target vocab size 8"):
         build_vocab_mapping(COUNTS, 9)
     build_vocab_mapping(COUNTS, 6)  # exactly the six ids that were seen
-    with pytest.raises(ConfigError, match=r"only 6 distinct token ids.*smaller `model.draft_vocab_size`"):
+    with pytest.raises(ConfigError, match=r"only 6 distinct token ids.*smaller `draft.vocab_size`"):
         build_vocab_mapping(COUNTS, 7)
 
 

@@ -1,7 +1,8 @@
-"""Config schemas, their registration with Hydra, and helpers that derive values from a composed config."""
+"""Config schemas, their registration with Hydra, the checks after composition, and the two roots."""
 
-from eaglet.config.registry import CONF_DIR, PROJECT_ROOT, register_configs
+from eaglet.config.checks import check_config
+from eaglet.config.registry import CONF_DIR, REPO_ROOT, project_root, register_configs
 
 register_configs()
 
-__all__ = ["CONF_DIR", "PROJECT_ROOT", "register_configs"]
+__all__ = ["CONF_DIR", "REPO_ROOT", "check_config", "project_root", "register_configs"]

@@ -1,7 +1,8 @@
 """Structured-config schemas: every key a user can set, with its type and default.
 
 Hydra merges the YAML files of each group into these dataclasses, so a typo in an override or a
-value of the wrong type fails at composition and names the key.
+value of the wrong type fails at composition and names the key; so does a value outside a closed set of
+choices (eaglet.config.choices). Checks across keys run once after composition (eaglet.config.checks).
 """
 
 from __future__ import annotations
@@ -11,10 +12,24 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from eaglet.config.choices import (
+    Accelerator,
+    Attention,
+    AttentionKeys,
+    ExportFormat,
+    ExtractBackend,
+    FloatDtype,
+    Interconnect,
+    ModelSource,
+    SweepObjective,
+    TargetDtype,
+    TauSource,
+)
+
 
 @dataclass
 class DraftConfig:
-    """Shape of the one-layer draft head (EAGLE3.md section 1)."""
+    """Shape of the one-layer draft head (EAGLE3.md section 1) and its vocabulary."""
 
     hidden_size: int = MISSING
     num_attention_heads: int = MISSING
@@ -26,18 +41,20 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     # Residual of the decoder layer taken before the hidden norm: the only variant SGLang serves.
     norm_before_residual: bool = False
+    # Draft vocabulary: the most frequent target ids in the training data's loss mask.
+    vocab_size: int = 32000
 
 
 @dataclass
 class ModelConfig:
-    """The target model: identity, where its weights come from, true dimensions, aux layers, draft shape."""
+    """The target model: identity, where its weights come from, true dimensions, aux layers."""
 
     name: str = MISSING
     # transformers model_type of the target (llama, qwen3, deepseek_v3, kimi_k25, ...).
     architecture: str = MISSING
     # Where the weights come from: "gguf_package" (a GGUF file shipped in a pip package), "path" (a local
     # Hugging Face folder given by the user in `path`), "random" (random init from the dims below: tests, benchmarks).
-    source: str = "path"
+    source: ModelSource = ModelSource.path
     path: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
@@ -52,7 +69,7 @@ class ModelConfig:
     # From the command line: +model.chat_template_kwargs.thinking=false
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # dtype the target runs in on this machine: float32 on CPU, bfloat16 on GPUs.
-    dtype: str = "auto"
+    dtype: TargetDtype = TargetDtype.auto
 
     num_layers: int = MISSING
     hidden_size: int = MISSING
@@ -86,8 +103,6 @@ class ModelConfig:
 
     # Residual-stream ids the draft reads: id k = the input of decoder layer k. null = (2, L//2, L-3).
     aux_layer_ids: list[int] | None = None
-    draft_vocab_size: int = 32000
-    draft: DraftConfig = field(default_factory=DraftConfig)
 
 
 @dataclass
@@ -110,7 +125,7 @@ class HardwareConfig:
     """A machine (or cluster) and how Lightning should use it."""
 
     name: str = MISSING
-    accelerator: str = "cpu"
+    accelerator: Accelerator = Accelerator.cpu
     gpu: str = "none"
     devices: int = 1
     num_nodes: int = 1
@@ -119,13 +134,14 @@ class HardwareConfig:
     bf16_tflops: float = 0.0
     memory_bandwidth_gbs: float = 0.0
     # Device-to-device link: "none", "pcie" or "nvlink"; bandwidth per device in GB/s (one direction).
-    interconnect: str = "none"
+    interconnect: Interconnect = Interconnect.none
     interconnect_bandwidth_gbs: float = 0.0
     disk_tb: float = 0.0
     # Sustained write rate of the shard disk (GB/s, with fsync); 0 = unknown (the planner assumes its default).
     disk_write_gbs: float = 0.0
     cpu_cores: int = 0
-    # Lightning settings.
+    # Lightning settings: the one place for devices (above) and strategy. precision is Lightning's own string
+    # ("32-true", "bf16-mixed", ...); strategy is one of eaglet.config.choices.STRATEGIES.
     precision: str = "32-true"
     strategy: str = "auto"
     # Packed tokens per device per micro-batch during training.
@@ -147,8 +163,8 @@ class RegenerateConfig:
     top_p: float = 1.0
     batch_size: int = 16
     # In-process: decode steps between checks for finished answers, whose rows then take the next turn.
+    # Sampling is seeded by the top-level `seed`.
     refill_every: int = 16
-    seed: int = 0
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
     # Model name to request; null = the one model the endpoint lists at /v1/models.
@@ -194,7 +210,7 @@ class VllmConfig:
 class ExtractConfig:
     """Hidden-state extraction into shards."""
 
-    backend: str = "transformers"
+    backend: ExtractBackend = ExtractBackend.transformers
     # Shard folder; null = ${paths.data_dir}/<model>/<dataset>.
     output_dir: str | None = None
     max_length: int = 2048
@@ -202,7 +218,7 @@ class ExtractConfig:
     batch_tokens: int = 16384
     # Tokens per shard file.
     shard_tokens: int = 65536
-    dtype: str = "bfloat16"
+    dtype: FloatDtype = FloatDtype.bfloat16
     device: str = "auto"
     overwrite: bool = False
     strict: bool = False
@@ -230,7 +246,6 @@ class TrainerConfig:
     val_every_n_steps: int = 50
     # last.ckpt is refreshed this often (optimizer steps), so a killed run loses little.
     checkpoint_every_n_steps: int = 50
-    seed: int = 0
     num_workers: int = 0
     # With num_workers 0: threads of the training process that build micro-batches ahead (0 = in the loop).
     loader_threads: int = 2
@@ -239,16 +254,14 @@ class TrainerConfig:
     feature_noise_std: float = 0.0
     loss_chunk_tokens: int = 2048
     # TTT attention: "auto" (flex on CUDA, sdpa on CPU), "flex" (block-sparse flex_attention, CUDA only), "sdpa".
-    attention: str = "auto"
+    attention: Attention = Attention.auto
     # torch.compile the draft layer's pieces (norms, projections, RoPE, MLP) and the fused loss's chunks: faster on
     # GPUs (about 1.2-1.35x the eager step at Llama and Kimi shapes on an H200), slow first steps.
     compile: bool = False
     # train/acc_k against the teacher's full-vocab argmax (an extra [T, V] matmul); validation always uses it.
     full_vocab_train_accuracy: bool = False
     # dtype of the frozen embedding table ("bfloat16" halves it); null = the parameters' dtype (FSDP needs that).
-    embed_dtype: str | None = None
-    devices: int | None = None
-    strategy: str | None = None
+    embed_dtype: FloatDtype | None = None
 
 
 @dataclass
@@ -290,7 +303,7 @@ class ExportConfig:
     # A training run folder; null or "last" = the newest one.
     run: str | None = None
     # "eagle" (vLLM and SGLang) or "speculators" (vLLM and the speculators package).
-    format: str = "eagle"
+    format: ExportFormat = ExportFormat.eagle
     # null = <run>/export-<format>
     out_dir: str | None = None
     overwrite: bool = False
@@ -351,7 +364,7 @@ class PlanCalibrationConfig:
     # Share of datasheet memory bandwidth reached by the training loss's element-wise passes.
     training_bandwidth_efficiency: float = MISSING
     # Keys a training attention query visits on GPUs: "row" (the whole packed micro-batch) or "document".
-    training_attention: str = MISSING
+    training_attention: AttentionKeys = MISSING
     prefill_efficiency: float = MISSING
     host_store_gbs: float = MISSING
     disk_write_gbs: float = MISSING
@@ -385,7 +398,7 @@ class PlanConfig:
     # Share of device memory the target's weights may fill (the rest: KV cache, activations).
     weight_memory_fraction: float = 0.85
     # Shard dtypes to size.
-    dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])
+    dtypes: list[FloatDtype] = field(default_factory=lambda: [FloatDtype.bfloat16, FloatDtype.float32])
     serving: PlanServingConfig = field(default_factory=PlanServingConfig)
     calibration: PlanCalibrationConfig = field(default_factory=PlanCalibrationConfig)
 
@@ -400,10 +413,10 @@ class SweepConfig:
     # Where the τ the objective reads comes from: "decode" = speculative decoding against the target on the
     # eval prompt sets (eval.sets, eval.prompts_per_set, eval.max_new_tokens); "sim" = the simulated τ of
     # the validation shards (no target needed). The simulated curve is recorded either way.
-    tau_source: str = "decode"
+    tau_source: TauSource = TauSource.decode
     # The value a trial returns to the sweeper: "speedup" (predicted, at its best draft length) or "tau"
     # (at max_draft_length).
-    objective: str = "speedup"
+    objective: SweepObjective = SweepObjective.speedup
     # The deployment the speedup is predicted for: names under conf/model and conf/hardware. null = this
     # run's model; this run's hardware, or h200_x1 when it has no datasheet numbers (hardware=cpu).
     serve_model: str | None = None
@@ -415,6 +428,7 @@ class EagletConfig:
     """The composed config of every entry point."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
@@ -425,5 +439,7 @@ class EagletConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    # The one seed: training (initialisation, data order, validation split), regeneration sampling, the vLLM
+    # engine, and the Optuna sampler of sweeps/optuna_tau.yaml.
     seed: int = 0
     ckpt_path: str | None = None

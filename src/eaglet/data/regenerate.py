@@ -34,8 +34,10 @@ def regenerate_conversations(
     max_length: int,
     chat_template: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    seed: int = 0,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Regenerated copies of `conversations` (same ids and order), resuming from `out_path`.
+    """Regenerated copies of `conversations` (same ids and order), resuming from `out_path`; sampled answers
+    are seeded per turn from `seed` (the run's seed).
 
     With `cfg.endpoint` set the server answers (`model` is not used) and the records go to a file next to
     `out_path` keyed by the served model and the template arguments (thinking mode), which change every answer;
@@ -56,6 +58,7 @@ def regenerate_conversations(
         return regenerate_via_endpoint(
             conversations,
             cfg=cfg,
+            seed=seed,
             model=served,
             out_path=path,
             max_length=max_length,
@@ -80,6 +83,7 @@ def regenerate_conversations(
         tokenizer,
         conversations,
         cfg=cfg,
+        seed=seed,
         out_path=out_path,
         max_length=max_length,
         chat_template=chat_template,

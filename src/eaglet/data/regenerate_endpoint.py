@@ -117,8 +117,10 @@ def regenerate_via_endpoint(
     tokenizer: Any = None,
     chat_template: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    seed: int = 0,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Regenerated copies of `conversations` (same ids and order) from the endpoint, resuming from `out_path`.
+    """Regenerated copies of `conversations` (same ids and order) from the endpoint, resuming from `out_path`;
+    each request carries a sampling seed derived from `seed` (the run's seed), its conversation and turn.
 
     With a `tokenizer`, a conversation is cut before the turn whose prompt plus `max_new_tokens` exceeds
     `max_length` tokens, exactly as in-process (prompts rendered with `chat_template`, which should be the
@@ -132,7 +134,7 @@ def regenerate_via_endpoint(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if template_kwargs is None:
         template_kwargs = dict.fromkeys(THINKING_VARIABLES, cfg.thinking)
-    session = _Session(cfg, model, max_length, tokenizer, chat_template, dict(template_kwargs), stats)
+    session = _Session(cfg, seed, model, max_length, tokenizer, chat_template, dict(template_kwargs), stats)
     start = time.perf_counter()
     with (
         open(out_path, "ab") as sink,
@@ -163,6 +165,7 @@ class _Session:
     def __init__(
         self,
         cfg: RegenerateConfig,
+        seed: int,
         model: str,
         max_length: int,
         tokenizer: Any,
@@ -170,7 +173,7 @@ class _Session:
         template_kwargs: dict[str, Any],
         stats: RegenerateStats,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, seed
         self.template_kwargs = template_kwargs
         self.model = model
         self.max_length = max_length
@@ -235,7 +238,7 @@ class _Session:
                 max_tokens=cfg.max_new_tokens,
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
-                seed=_request_seed(cfg.seed, conv.id, index),
+                seed=_request_seed(self.seed, conv.id, index),
                 n=1,
                 extra_body={"chat_template_kwargs": self.template_kwargs},
             )

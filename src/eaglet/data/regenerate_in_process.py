@@ -33,11 +33,13 @@ def regenerate_in_process(
     conversations: Sequence[Conversation],
     *,
     cfg: RegenerateConfig,
+    seed: int,
     out_path: Path,
     max_length: int,
     chat_template: str | None,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Regenerated copies of `conversations` (same ids and order) from `model`, resuming from `out_path`."""
+    """Regenerated copies of `conversations` (same ids and order) from `model`, resuming from `out_path`;
+    sampled answers are seeded per turn from `seed`."""
     for key in ("batch_size", "refill_every"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"extract.regenerate.{key} must be at least 1, got {getattr(cfg, key)}")
@@ -73,6 +75,7 @@ def regenerate_in_process(
             pending,
             tokenizer,
             cfg=cfg,
+            seed=seed,
             max_length=max_length,
             chat_template=chat_template,
             stats=stats,
@@ -109,6 +112,7 @@ class _TurnQueue:
         tokenizer: Any,
         *,
         cfg: RegenerateConfig,
+        seed: int,
         max_length: int,
         chat_template: str | None,
         stats: RegenerateStats,
@@ -116,7 +120,7 @@ class _TurnQueue:
         on_written: Callable[[list[Conversation]], None],
     ) -> None:
         self.unstarted = iter(pending)
-        self.tokenizer, self.cfg, self.max_length = tokenizer, cfg, max_length
+        self.tokenizer, self.cfg, self.seed, self.max_length = tokenizer, cfg, seed, max_length
         self.chat_template, self.stats = chat_template, stats
         self.sink, self.on_written = sink, on_written
         self.ready: deque[Request] = deque()
@@ -158,7 +162,7 @@ class _TurnQueue:
             if len(ids) + self.cfg.max_new_tokens <= self.max_length:
                 dialogue.history = turns
                 dialogue.answered += 1
-                seed = _turn_seed(self.cfg.seed, dialogue.source.id, dialogue.answered)
+                seed = _turn_seed(self.seed, dialogue.source.id, dialogue.answered)
                 return Request(ids, seed=seed, tag=dialogue)
             self.stats.cut_for_length += 1
         source = dialogue.source

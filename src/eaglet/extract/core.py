@@ -287,7 +287,7 @@ def _regenerate(
             "max_new_tokens": rg.max_new_tokens,
             "temperature": rg.temperature,
             "top_p": rg.top_p,
-            "seed": rg.seed,
+            "seed": job.seed,
             "batch_size": rg.batch_size,
             "max_length": job.extract.max_length,
             "dtype": target.dtype,
@@ -305,6 +305,7 @@ def _regenerate(
         max_length=job.extract.max_length,
         chat_template=template,
         template_kwargs=chat_template_variables(job.model, rg) if rg.endpoint else None,
+        seed=job.seed,
     )
 
 

@@ -23,6 +23,8 @@ class ExtractionJob:
     cache_dir: Path
     # Evaluation set definitions whose prompts stay out of the data (with dataset.holdout_eval_sets on).
     held_out_sets: Mapping[str, Any]
+    # The run's seed: sampled regeneration is seeded from it.
+    seed: int = 0
 
     @property
     def out_dir(self) -> Path:

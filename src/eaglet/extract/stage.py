@@ -24,6 +24,7 @@ def extraction_job(cfg: EagletConfig) -> ExtractionJob:
         data_dir=Path(cfg.paths.data_dir),
         cache_dir=Path(cfg.paths.cache_dir),
         held_out_sets=cfg.eval.set_defs,
+        seed=cfg.seed,
     )
 
 

@@ -129,7 +129,7 @@ def load_eagle_draft(
             draft_vocab_size=config.get("draft_vocab_size", vocab),
             num_aux=len(aux_ids),
         )
-    except ConfigError as e:  # its messages name eaglet's config keys; here the values come from the file
+    except ConfigError as e:  # the shape comes from the file: a fault of the data, not of a setting
         raise DataError(f"{where}: {e}") from e
     _fill_shared(state, head, embed_tokens, folder)
     expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}

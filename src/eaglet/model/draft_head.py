@@ -165,17 +165,17 @@ class Eagle3DecoderLayer(nn.Module):
         return self.finish(residual, attention), kv
 
 
-def _check_config(cfg: DraftConfig) -> None:
+def _check_shape(cfg: DraftConfig) -> None:
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
         if getattr(cfg, key) < 1:
-            raise ConfigError(f"model.draft.{key} must be >= 1, got {getattr(cfg, key)}")
+            raise ConfigError(f"{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ConfigError(
-            f"model.draft.num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-            f"model.draft.num_key_value_heads={cfg.num_key_value_heads}; pick a divisor"
+            f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}"
         )
     if cfg.head_dim % 2:
-        raise ConfigError(f"model.draft.head_dim={cfg.head_dim} must be even for rotary embeddings")
+        raise ConfigError(f"head_dim={cfg.head_dim} must be even for rotary embeddings")
 
 
 class Eagle3DraftHead(nn.Module):
@@ -191,10 +191,10 @@ class Eagle3DraftHead(nn.Module):
         num_aux: int = 3,
     ) -> None:
         super().__init__()
-        _check_config(cfg)
+        _check_shape(cfg)
         if draft_vocab_size > vocab_size:
             raise ConfigError(
-                f"model.draft_vocab_size={draft_vocab_size} exceeds the target vocab size {vocab_size}; lower it"
+                f"draft_vocab_size={draft_vocab_size} exceeds the target vocab size {vocab_size}"
             )
         h = cfg.hidden_size
         self.hidden_size, self.target_hidden_size, self.num_aux = h, target_hidden_size, num_aux
@@ -229,8 +229,7 @@ class Eagle3DraftHead(nn.Module):
             if tuple(tensor.shape) != shape:
                 raise ConfigError(
                     f"target {name} has shape {tuple(tensor.shape)}, the draft head expects {shape}; "
-                    "model.vocab_size, model.hidden_size, model.draft.hidden_size and model.draft_vocab_size "
-                    "must match the target and its draft vocab"
+                    "the head's vocab sizes and hidden sizes must match the target and its draft vocab"
                 )
         target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
         if d2t.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= t2d.numel()):

@@ -83,7 +83,5 @@ def acceptance_curve(serving: PlanServingConfig) -> AcceptanceCurve:
         return AcceptanceCurve(conditional, f"measured: {path} ({serving.proposer})")
     values = tuple(float(a) for a in serving.acceptance)
     if not values or any(not 0.0 <= a <= 1.0 for a in values):
-        raise ConfigError(
-            f"plan.serving.acceptance must be a non-empty list of values in [0, 1], got {list(values)}"
-        )
+        raise ConfigError(f"acceptance must be a non-empty list of values in [0, 1], got {list(values)}")
     return AcceptanceCurve(values, "assumed: plan.serving.acceptance")

@@ -1,4 +1,5 @@
-"""Config group files read outside a Hydra composition: hardware to compare, calibration references."""
+"""Config group files read outside a Hydra composition: hardware to compare, calibration references, the
+deployments a sweep predicts for."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 
 from eaglet.config import CONF_DIR
-from eaglet.config.schema import HardwareConfig, ModelConfig, PlanConfig
+from eaglet.config.schema import DraftConfig, HardwareConfig, ModelConfig, PlanConfig
 from eaglet.errors import ConfigError
 
 T = TypeVar("T")
@@ -37,6 +38,11 @@ def load_hardware(name: str) -> HardwareConfig:
 @cache
 def load_model(name: str) -> ModelConfig:
     return _load("model", name, ModelConfig)
+
+
+@cache
+def load_draft(name: str) -> DraftConfig:
+    return _load("draft", name, DraftConfig)
 
 
 @cache

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from eaglet.config.schema import EagletConfig
+from eaglet.config.schema import DatasetConfig, ExtractConfig, PlanConfig
 from eaglet.data.conversations import Conversation, load_conversations
 from eaglet.errors import ConfigError, EagletError
 
@@ -42,8 +42,8 @@ def _text_tokens(text: str, chars_per_token: float) -> int:
     return math.ceil(len(text) / chars_per_token)
 
 
-def _sample(conv: Conversation, cfg: EagletConfig) -> _Sample:
-    plan, regen = cfg.plan, cfg.extract.regenerate
+def _sample(conv: Conversation, plan: PlanConfig, extract: ExtractConfig) -> _Sample:
+    regen = extract.regenerate
     per_turn = plan.template_tokens_per_turn
     tokens = answers = generated = prefill = 0
     turns = conv.turns
@@ -64,30 +64,27 @@ def _sample(conv: Conversation, cfg: EagletConfig) -> _Sample:
             generated += answer
             tokens += answer + per_turn
             answers += answer + per_turn
-    cut = min(tokens, cfg.extract.max_length)
+    cut = min(tokens, extract.max_length)
     scale = cut / tokens if tokens else 0.0
     return _Sample(cut, round(answers * scale), generated, prefill)
 
 
-def _read_samples(cfg: EagletConfig) -> list[_Sample]:
+def _read_samples(plan: PlanConfig, dataset: DatasetConfig, extract: ExtractConfig) -> list[_Sample]:
     conversations: list[Conversation] = []
-    for path in cfg.dataset.paths:
+    for path in dataset.paths:
         part, _ = load_conversations(
             [path],
-            max_records=cfg.dataset.max_records_per_file,
-            require_assistant=not cfg.extract.regenerate.enabled,
+            max_records=dataset.max_records_per_file,
+            require_assistant=not extract.regenerate.enabled,
         )
         conversations.extend(part)
-    if cfg.extract.max_conversations is not None:
-        conversations = conversations[: cfg.extract.max_conversations]
-    return [_sample(conv, cfg) for conv in conversations]
+    if extract.max_conversations is not None:
+        conversations = conversations[: extract.max_conversations]
+    return [_sample(conv, plan, extract) for conv in conversations]
 
 
-def _extracted_totals(cfg: EagletConfig) -> dict | None:
-    """totals of a complete extraction of this model x dataset, if there is one."""
-    folder = Path(
-        cfg.extract.output_dir or Path(cfg.paths.data_dir) / "shards" / cfg.model.name / cfg.dataset.name
-    )
+def _extracted_totals(folder: Path) -> dict | None:
+    """totals of a complete extraction in `folder`, if there is one."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         totals = manifest["totals"]
@@ -109,16 +106,13 @@ def _with_extracted(estimate: DataSize, totals: dict) -> DataSize:
     )
 
 
-def estimate_data_size(cfg: EagletConfig) -> DataSize:
-    plan = cfg.plan
-    if plan.tokens is not None and plan.tokens <= 0:
-        raise ConfigError(f"plan.tokens must be > 0, got {plan.tokens}")
-    if plan.conversations is not None and plan.conversations <= 0:
-        raise ConfigError(f"plan.conversations must be > 0, got {plan.conversations}")
-    if plan.chars_per_token <= 0:
-        raise ConfigError(f"plan.chars_per_token must be > 0, got {plan.chars_per_token}")
+def estimate_data_size(
+    plan: PlanConfig, dataset: DatasetConfig, extract: ExtractConfig, shards: Path
+) -> DataSize:
+    """The data of `dataset` as `extract` would handle it, at the size `plan` asks for; exact token counts from
+    the manifest in `shards` when that folder holds a complete extraction of the same conversations."""
     try:
-        samples = _read_samples(cfg)
+        samples = _read_samples(plan, dataset, extract)
         unreadable = None
     except EagletError as exc:
         samples, unreadable = [], str(exc)
@@ -132,13 +126,13 @@ def estimate_data_size(cfg: EagletConfig) -> DataSize:
             mean_context=sum(s.tokens * (s.tokens + 1) / 2 for s in samples) / tokens,
             generated_tokens=sum(s.generated for s in samples),
             prefill_tokens=sum(s.prefill for s in samples),
-            source=f"dataset '{cfg.dataset.name}': {n:,} conversations read, text / {plan.chars_per_token:g} chars per token",
+            source=f"dataset '{dataset.name}': {n:,} conversations read, text / {plan.chars_per_token:g} chars per token",
         )
-        totals = _extracted_totals(cfg)
+        totals = _extracted_totals(shards)
         if totals and totals.get("sequences") == n:
             measured = _with_extracted(measured, totals)
         return _scaled(measured, plan.tokens, plan.conversations, plan.tokens_per_conversation)
-    return _assumed(cfg, unreadable or "no conversations")
+    return _assumed(plan, extract, unreadable or "no conversations")
 
 
 def _scaled(
@@ -169,9 +163,8 @@ def _scaled(
     )
 
 
-def _assumed(cfg: EagletConfig, why: str) -> DataSize:
+def _assumed(plan: PlanConfig, extract: ExtractConfig, why: str) -> DataSize:
     """No readable dataset: sizes from plan.* alone, the unknowns at their conservative end."""
-    plan = cfg.plan
     per_conversation = plan.tokens_per_conversation
     if plan.tokens is None and (plan.conversations is None or per_conversation is None):
         raise ConfigError(
@@ -179,14 +172,12 @@ def _assumed(cfg: EagletConfig, why: str) -> DataSize:
             "plan.tokens_per_conversation=M"
         )
     if per_conversation is None:
-        per_conversation = plan.tokens / plan.conversations if plan.conversations else cfg.extract.max_length
-    if per_conversation <= 0:
-        raise ConfigError(f"plan.tokens_per_conversation must be > 0, got {per_conversation}")
+        per_conversation = plan.tokens / plan.conversations if plan.conversations else extract.max_length
     tokens = plan.tokens if plan.tokens is not None else plan.conversations * per_conversation
     conversations = plan.conversations or max(round(tokens / per_conversation), 1)
-    length = min(per_conversation, cfg.extract.max_length)
+    length = min(per_conversation, extract.max_length)
     # Unknown split: every token trained, and with regeneration on every trained token generated.
-    generated = tokens if cfg.extract.regenerate.enabled else 0.0
+    generated = tokens if extract.regenerate.enabled else 0.0
     return DataSize(
         conversations=conversations,
         tokens=tokens,

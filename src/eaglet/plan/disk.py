@@ -44,7 +44,7 @@ def num_aux(model: ModelConfig) -> int:
 
 def shard_bytes_per_token(model: ModelConfig, dtype: str) -> int:
     if dtype not in ITEMSIZE:
-        raise ConfigError(f"plan.dtypes: unknown shard dtype '{dtype}'; choose from {sorted(ITEMSIZE)}")
+        raise ConfigError(f"unknown shard dtype '{dtype}'; choose from {sorted(ITEMSIZE)}")
     return bytes_per_token(num_aux(model), model.hidden_size, ITEMSIZE[dtype])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eaglet.config.schema import EagletConfig, HardwareConfig
+from eaglet.config.schema import DraftConfig, HardwareConfig, ModelConfig, PlanConfig, TrainerConfig
 from eaglet.plan.acceptance import AcceptanceCurve
 from eaglet.plan.data_size import DataSize
 from eaglet.plan.disk import DiskEstimate, estimate_disk
@@ -18,6 +18,18 @@ from eaglet.plan.extraction import (
 )
 from eaglet.plan.serving import ServingPoint, serving_group, serving_point
 from eaglet.plan.training import HeadShape, TrainingEstimate, calibrated_efficiency, estimate_training
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """The run a plan is for: what the planner reads of the composed config."""
+
+    model: ModelConfig
+    draft: DraftConfig
+    trainer: TrainerConfig
+    plan: PlanConfig
+    shard_dtype: str  # extract.dtype
+    regenerate: bool  # extract.regenerate.enabled
 
 
 @dataclass(frozen=True)
@@ -51,9 +63,9 @@ class HardwarePlan:
 
 
 def plan_hardware(
-    cfg: EagletConfig, hardware: HardwareConfig, data: DataSize, curve: AcceptanceCurve
+    run: PlannedRun, hardware: HardwareConfig, data: DataSize, curve: AcceptanceCurve
 ) -> HardwarePlan:
-    model, plan = cfg.model, cfg.plan
+    model, plan = run.model, run.plan
     placement = place_target(model, hardware, plan)
     problems = []
     regeneration = extraction = None
@@ -64,24 +76,24 @@ def plan_hardware(
             f"(at most {plan.weight_memory_fraction:.0%} for weights)"
         )
     else:
-        extraction = estimate_extraction(model, hardware, placement, data, plan, cfg.extract.dtype)
-        if cfg.extract.regenerate.enabled:
+        extraction = estimate_extraction(model, hardware, placement, data, plan, run.shard_dtype)
+        if run.regenerate:
             regeneration = estimate_regeneration(model, hardware, placement, data, plan)
     disk = [estimate_disk(model, hardware, dtype, data.tokens, data.conversations) for dtype in plan.dtypes]
-    stored = estimate_disk(model, hardware, cfg.extract.dtype, data.tokens, data.conversations)
+    stored = estimate_disk(model, hardware, run.shard_dtype, data.tokens, data.conversations)
     if stored.fits is False:
         problems.append(
             f"{stored.dtype} shards (extract.dtype) need {stored.total_bytes / 1e12:,.1f} TB; "
             f"the disk holds {hardware.disk_tb:g} TB"
         )
     training = estimate_training(
-        HeadShape.of(model, cfg.trainer),
+        HeadShape.of(model, run.draft, run.trainer),
         hardware,
-        cfg.trainer,
+        run.trainer,
         tokens=data.tokens,
         loss_fraction=data.loss_fraction,
         mean_document_context=data.mean_context,
-        efficiency=calibrated_efficiency(plan.calibration, cfg.trainer),
+        efficiency=calibrated_efficiency(plan.calibration, run.trainer),
         bandwidth_efficiency=plan.calibration.training_bandwidth_efficiency,
         attention_keys=plan.calibration.training_attention,
     )
@@ -89,7 +101,7 @@ def plan_hardware(
     group = serving_group(hardware, plan)
     if placement.group is not None and placement.group <= group:
         serving = [
-            serving_point(model, hardware, model.draft, model.draft_vocab_size, curve.tau(k), k, plan)
+            serving_point(model, hardware, run.draft, run.draft.vocab_size, curve.tau(k), k, plan)
             for k in range(1, plan.serving.max_draft_length + 1)
         ]
     return HardwarePlan(

@@ -5,10 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from eaglet.config.schema import EagletConfig
 from eaglet.plan.acceptance import AcceptanceCurve
 from eaglet.plan.data_size import DataSize
-from eaglet.plan.planner import HardwarePlan
+from eaglet.plan.planner import HardwarePlan, PlannedRun
 from eaglet.plan.serving import pcie_allreduce_fixed_seconds
 from eaglet.plan.target_cost import dense_bits, stored_weight_bytes
 from eaglet.plan.training import calibrated_efficiency
@@ -58,8 +57,8 @@ def verdict(plans: list[HardwarePlan], deadline_hours: float) -> str:
     return line + ("; " + "; ".join(blocked) if blocked else "") + "."
 
 
-def data_table(cfg: EagletConfig, data: DataSize) -> Table:
-    model = cfg.model
+def data_table(run: PlannedRun, data: DataSize) -> Table:
+    model, draft, trainer = run.model, run.draft, run.trainer
     bits = f"{model.weight_bits}-bit" + (
         f" experts, {dense_bits(model)}-bit rest"
         if model.num_experts and dense_bits(model) != model.weight_bits
@@ -81,16 +80,16 @@ def data_table(cfg: EagletConfig, data: DataSize) -> Table:
         ),
         (
             "draft head",
-            f"H {model.draft.hidden_size}, {model.draft.num_attention_heads} heads, MLP {model.draft.intermediate_size}, "
-            f"draft vocab {model.draft_vocab_size:,}, K = {cfg.trainer.ttt_steps} TTT steps, "
-            f"lm_head {'trainable' if cfg.trainer.lm_head_trainable else 'frozen'}",
+            f"H {draft.hidden_size}, {draft.num_attention_heads} heads, MLP {draft.intermediate_size}, "
+            f"draft vocab {draft.vocab_size:,}, K = {trainer.ttt_steps} TTT steps, "
+            f"lm_head {'trainable' if trainer.lm_head_trainable else 'frozen'}",
         ),
         ("conversations", f"{data.conversations:,}"),
         ("tokens", f"{data.tokens:,.0f} ({data.loss_fraction:.0%} in the loss mask)"),
         (
             "regenerated",
             f"{data.generated_tokens:,.0f} tokens generated after {data.prefill_tokens:,.0f} prompt tokens"
-            if cfg.extract.regenerate.enabled
+            if run.regenerate
             else "off (extract.regenerate.enabled=false)",
         ),
         ("mean causal context", f"{data.mean_context:,.0f} tokens"),
@@ -101,8 +100,8 @@ def data_table(cfg: EagletConfig, data: DataSize) -> Table:
     return table
 
 
-def time_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
-    table = Table(title=f"time and disk ({cfg.trainer.max_epochs} epoch(s))")
+def time_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
+    table = Table(title=f"time and disk ({run.trainer.max_epochs} epoch(s))")
     table.add_column("", no_wrap=True)
     for p in plans:
         table.add_column(p.hardware.name, overflow="fold")
@@ -154,7 +153,7 @@ def time_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
     row("extraction", extraction)
     row("training per epoch", training)
     row("total", total)
-    for i, dtype in enumerate(cfg.plan.dtypes):
+    for i, dtype in enumerate(run.plan.dtypes):
 
         def disk(p: HardwarePlan, i: int = i) -> str:
             d = p.disk[i]
@@ -167,8 +166,8 @@ def time_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
     return table
 
 
-def serving_table(plans: list[HardwarePlan], curve: AcceptanceCurve, cfg: EagletConfig) -> Table:
-    s = cfg.plan.serving
+def serving_table(plans: list[HardwarePlan], curve: AcceptanceCurve, run: PlannedRun) -> Table:
+    s, model = run.plan.serving, run.model
     table = Table(
         title="predicted serving speedup over plain decoding",
         caption=f"batch {s.batch_size}, context {s.context_tokens:,} tokens; acceptance {curve.source}",
@@ -185,12 +184,12 @@ def serving_table(plans: list[HardwarePlan], curve: AcceptanceCurve, cfg: Eaglet
         plain = [p.serving[0].plain for p in shown]
         table.add_row("plain decode", "", *(f"{c.seconds * 1e3:.2f} ms/step" for c in plain))
         table.add_row("all-reduce share", "", *(f"{c.allreduce / c.seconds:.0%}" for c in plain))
-        if cfg.model.num_experts:
+        if model.num_experts:
             best = [max(p.serving, key=lambda point: point.speedup) for p in shown]
             table.add_row(
                 "experts/layer at best K",
                 "",
-                *(f"{b.distinct_experts:.1f} of {cfg.model.num_experts} (K={b.draft_length})" for b in best),
+                *(f"{b.distinct_experts:.1f} of {model.num_experts} (K={b.draft_length})" for b in best),
             )
     missing = [p.hardware.name for p in plans if not p.serving]
     if missing:
@@ -198,8 +197,8 @@ def serving_table(plans: list[HardwarePlan], curve: AcceptanceCurve, cfg: Eaglet
     return table
 
 
-def assumptions_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
-    cal, plan = cfg.plan.calibration, cfg.plan
+def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
+    cal, plan, trainer = run.plan.calibration, run.plan, run.trainer
     table = Table(title="assumptions (conf/plan/default.yaml; override any plan.* key)", show_header=False)
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")
@@ -210,8 +209,8 @@ def assumptions_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
         ),
         (
             "training",
-            f"{calibrated_efficiency(cal, cfg.trainer):.1%} of datasheet bf16 for the "
-            f"{'compiled' if cfg.trainer.compile else 'eager'} layer (trainer.compile; calibrated on the H200 "
+            f"{calibrated_efficiency(cal, trainer):.1%} of datasheet bf16 for the "
+            f"{'compiled' if trainer.compile else 'eager'} layer (trainer.compile; calibrated on the H200 "
             f"side-by-side row, Llama-3.1-8B shapes, K=3, lm_head frozen), + the loss's element-wise passes over "
             f"the draft vocab at {cal.training_bandwidth_efficiency:.0%} of datasheet bandwidth; attention per "
             f"{cal.training_attention} on GPUs, only at trained positions; DDP gradient all-reduce overlapped",
@@ -250,17 +249,17 @@ def assumptions_table(cfg: EagletConfig, plans: list[HardwarePlan]) -> Table:
 
 
 def print_plan(
-    cfg: EagletConfig,
+    run: PlannedRun,
     data: DataSize,
     curve: AcceptanceCurve,
     plans: list[HardwarePlan],
     console: Console | None = None,
 ) -> str:
     console = console or Console(width=160)
-    console.print(data_table(cfg, data))
-    console.print(time_table(cfg, plans))
-    console.print(serving_table(plans, curve, cfg))
-    console.print(assumptions_table(cfg, plans))
-    line = verdict(plans, cfg.plan.deadline_hours)
+    console.print(data_table(run, data))
+    console.print(time_table(run, plans))
+    console.print(serving_table(plans, curve, run))
+    console.print(assumptions_table(run, plans))
+    line = verdict(plans, run.plan.deadline_hours)
     console.print(f"[bold]{line}[/bold]")
     return line

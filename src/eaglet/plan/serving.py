@@ -145,7 +145,7 @@ def pcie_allreduce_fixed_seconds(calibration: PlanCalibrationConfig) -> float:
     reference PCIe machine spends `pcie_allreduce_share` of its time in all-reduce."""
     share = calibration.pcie_allreduce_share
     if not 0.0 <= share < 1.0:
-        raise ConfigError(f"plan.calibration.pcie_allreduce_share must lie in [0, 1), got {share}")
+        raise ConfigError(f"pcie_allreduce_share must lie in [0, 1), got {share}")
     return _pcie_fixed_seconds(
         share,
         calibration.pcie_allreduce_model,
@@ -215,7 +215,9 @@ def serving_point(
     group = serving_group(hardware, plan)
     s, cal = plan.serving, plan.calibration
     if s.batch_size < 1 or s.context_tokens < 0:
-        raise ConfigError("plan.serving.batch_size must be >= 1 and plan.serving.context_tokens >= 0")
+        raise ConfigError(
+            f"serving batch_size must be >= 1 and context_tokens >= 0, got {s.batch_size} and {s.context_tokens}"
+        )
     common = {"batch": s.batch_size, "context": s.context_tokens, "calibration": cal}
     return ServingPoint(
         draft_length=draft_length,

@@ -7,19 +7,16 @@ from eaglet.errors import ConfigError
 from eaglet.plan.acceptance import acceptance_curve
 from eaglet.plan.configs import load_hardware, options
 from eaglet.plan.data_size import estimate_data_size
-from eaglet.plan.planner import HardwarePlan, plan_hardware
+from eaglet.plan.planner import HardwarePlan, PlannedRun, plan_hardware
 from eaglet.plan.report import print_plan
+from eaglet.shards.layout import shard_dir
 
 
-def hardware_to_compare(cfg: EagletConfig) -> list[HardwareConfig]:
+def hardware_to_compare(compare: list[str], hardware: HardwareConfig) -> list[HardwareConfig]:
     """plan.compare by name (the composed `hardware`, with its overrides, where it is one of them)."""
-    names = list(cfg.plan.compare)
-    if not names:
-        return [cfg.hardware]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ConfigError(f"plan.compare lists {twice} more than once; list each hardware once")
-    return [cfg.hardware if name == cfg.hardware.name else load_hardware(name) for name in names]
+    if not compare:
+        return [hardware]
+    return [hardware if name == hardware.name else load_hardware(name) for name in compare]
 
 
 def has_datasheet(hardware: HardwareConfig) -> bool:
@@ -36,12 +33,23 @@ def check_datasheet(hardware: HardwareConfig) -> None:
 
 
 def run_plan(cfg: EagletConfig) -> tuple[list[HardwarePlan], str]:
-    if cfg.plan.deadline_hours <= 0:
-        raise ConfigError(f"plan.deadline_hours must be > 0, got {cfg.plan.deadline_hours}")
-    hardware = hardware_to_compare(cfg)
+    hardware = hardware_to_compare(list(cfg.plan.compare), cfg.hardware)
     for hw in hardware:
         check_datasheet(hw)
-    data = estimate_data_size(cfg)
+    data = estimate_data_size(
+        cfg.plan,
+        cfg.dataset,
+        cfg.extract,
+        shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir),
+    )
     curve = acceptance_curve(cfg.plan.serving)
-    plans = [plan_hardware(cfg, hw, data, curve) for hw in hardware]
-    return plans, print_plan(cfg, data, curve, plans)
+    run = PlannedRun(
+        model=cfg.model,
+        draft=cfg.draft,
+        trainer=cfg.trainer,
+        plan=cfg.plan,
+        shard_dtype=str(cfg.extract.dtype),
+        regenerate=cfg.extract.regenerate.enabled,
+    )
+    plans = [plan_hardware(run, hw, data, curve) for hw in hardware]
+    return plans, print_plan(run, data, curve, plans)

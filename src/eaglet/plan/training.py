@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eaglet.config.choices import AttentionKeys
 from eaglet.config.schema import (
     DraftConfig,
     HardwareConfig,
@@ -70,13 +71,20 @@ class HeadShape:
     compiled_loss: bool = False  # trainer.compile: the fused loss's chunks run compiled
 
     @classmethod
-    def of(cls, model: ModelConfig, trainer: TrainerConfig, draft_vocab_size: int | None = None) -> HeadShape:
+    def of(
+        cls,
+        model: ModelConfig,
+        draft: DraftConfig,
+        trainer: TrainerConfig,
+        draft_vocab_size: int | None = None,
+    ) -> HeadShape:
+        """draft_vocab_size: another draft vocab than draft.vocab_size."""
         return cls(
             target_hidden=model.hidden_size,
             target_vocab=model.vocab_size,
             num_aux=num_aux(model),
-            draft=model.draft,
-            draft_vocab_size=draft_vocab_size or model.draft_vocab_size,
+            draft=draft,
+            draft_vocab_size=draft_vocab_size or draft.vocab_size,
             ttt_steps=trainer.ttt_steps,
             lm_head_trainable=trainer.lm_head_trainable,
             compiled_loss=trainer.compile,
@@ -105,7 +113,7 @@ class HeadShape:
 
 def _check_steps(shape: HeadShape) -> None:
     if shape.ttt_steps < 1:
-        raise ConfigError(f"trainer.ttt_steps must be >= 1, got {shape.ttt_steps}")
+        raise ConfigError(f"ttt_steps must be >= 1, got {shape.ttt_steps}")
 
 
 def training_flops_per_token(
@@ -140,15 +148,13 @@ def loss_bytes_per_token(shape: HeadShape, *, loss_fraction: float) -> float:
     return shape.draft_vocab_size * loss_fraction * (shape.ttt_steps * per_logit + TEACHER_BYTES_PER_LOGIT)
 
 
-ATTENTION_KEYS = ("row", "document")
+ATTENTION_KEYS = tuple(str(keys) for keys in AttentionKeys)
 
 
 def attention_context(hardware: HardwareConfig, mean_document_context: float, keys: str) -> float:
-    """Mean keys a training query visits."""
+    """Mean keys a training query visits; `keys` is plan.calibration.training_attention."""
     if keys not in ATTENTION_KEYS:
-        raise ConfigError(
-            f"plan.calibration.training_attention must be one of {list(ATTENTION_KEYS)}, got {keys!r}"
-        )
+        raise ConfigError(f"training_attention must be one of {list(ATTENTION_KEYS)}, got {keys!r}")
     if hardware.accelerator == "gpu" and keys == "row":
         return float(hardware.tokens_per_device)
     return mean_document_context
@@ -195,7 +201,7 @@ def device_seconds_per_token(
     shares = {"training_efficiency": efficiency, "training_bandwidth_efficiency": bandwidth_efficiency}
     for name, value in shares.items():
         if not 0 < value <= 1:
-            raise ConfigError(f"plan.calibration.{name} must lie in (0, 1], got {value}")
+            raise ConfigError(f"{name} must lie in (0, 1], got {value}")
     flops = training_flops_per_token(
         shape, loss_fraction=loss_fraction, attention_context=attention_context, row_fraction=row_fraction
     )

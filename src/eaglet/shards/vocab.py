@@ -60,15 +60,15 @@ def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[to
     vocab_size = counts.numel()
     distinct = int((counts > 0).sum())
     if draft_vocab_size < 1:
-        raise ConfigError(f"model.draft_vocab_size must be >= 1, got {draft_vocab_size}")
+        raise ConfigError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
     if draft_vocab_size > vocab_size:
         raise ConfigError(
-            f"model.draft_vocab_size={draft_vocab_size} exceeds the target vocab size {vocab_size}; lower it"
+            f"draft_vocab_size={draft_vocab_size} exceeds the target vocab size {vocab_size}; lower it"
         )
     if draft_vocab_size > distinct:
         raise ConfigError(
-            f"model.draft_vocab_size={draft_vocab_size} but only {distinct} distinct token ids were counted in "
-            "the loss mask of the training data; set a smaller `model.draft_vocab_size` or extract more data"
+            f"draft_vocab_size={draft_vocab_size} but only {distinct} distinct token ids were counted in "
+            "the loss mask of the training data; set a smaller `draft.vocab_size` or extract more data"
         )
     # A stable descending sort keeps equal counts in id order, so ties go to the lower id.
     order = torch.sort(counts.to(torch.int64), descending=True, stable=True).indices

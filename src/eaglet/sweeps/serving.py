@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from eaglet.config.schema import HardwareConfig, ModelConfig
+from eaglet.config.schema import DraftConfig, HardwareConfig, ModelConfig
 from eaglet.errors import ConfigError
 
 # Serving hardware when a sweep trains on a machine without datasheet numbers (hardware=cpu).
@@ -19,9 +19,10 @@ FALLBACK_HARDWARE = "h200_x1"
 
 @dataclass(frozen=True)
 class Deployment:
-    """Where the head would be served: the target's config and the hardware's."""
+    """Where the head would be served: the target's config, the draft head's shape and the hardware's."""
 
     model: Any  # ModelConfig or its DictConfig
+    draft: Any  # DraftConfig or its DictConfig
     hardware: Any  # HardwareConfig or its DictConfig
 
     @property
@@ -30,15 +31,21 @@ class Deployment:
         return max(int(self.hardware.devices), 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": _plain(self.model), "hardware": _plain(self.hardware)}
+        return {"model": _plain(self.model), "draft": _plain(self.draft), "hardware": _plain(self.hardware)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Deployment:
-        return cls(_typed(ModelConfig, data["model"]), _typed(HardwareConfig, data["hardware"]))
+        model = dict(data["model"])
+        # Trials recorded before the draft group kept the draft shape inside the model.
+        draft = data["draft"] if "draft" in data else model.pop("draft")
+        model.pop("draft_vocab_size", None)
+        return cls(
+            _typed(ModelConfig, model), _typed(DraftConfig, draft), _typed(HardwareConfig, data["hardware"])
+        )
 
 
 def _plain(node: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(node), resolve=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(OmegaConf.structured(node), resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def _typed(schema: type, data: dict[str, Any]) -> DictConfig:
@@ -50,13 +57,14 @@ def has_datasheet(hardware: Any) -> bool:
 
 
 def resolve_deployment(
-    model: Any, hardware: Any, serve_model: str | None = None, serve_hardware: str | None = None
+    model: Any, draft: Any, hardware: Any, serve_model: str | None = None, serve_hardware: str | None = None
 ) -> Deployment:
-    """The named model / hardware (conf/model, conf/hardware), else this run's; h200_x1 for hardware without numbers."""
-    from eaglet.plan.configs import load_hardware, load_model
+    """The named model with its draft / the named hardware (conf/model, conf/draft, conf/hardware), else this
+    run's; h200_x1 for hardware without numbers."""
+    from eaglet.plan.configs import load_draft, load_hardware, load_model
 
     if serve_model is not None:
-        model = load_model(serve_model)
+        model, draft = load_model(serve_model), load_draft(serve_model)
     if serve_hardware is not None:
         hardware = load_hardware(serve_hardware)
     elif not has_datasheet(hardware):
@@ -66,7 +74,7 @@ def resolve_deployment(
             f"hardware '{hardware.name}' has no memory_bandwidth_gbs / bf16_tflops to predict serving on; "
             "choose serving hardware that has them (sweep.serve_hardware=..., files in conf/hardware/)"
         )
-    return Deployment(model, hardware)
+    return Deployment(model, draft, hardware)
 
 
 def predicted_speedups(deployment: Deployment, draft_vocab_size: int, taus: list[float]) -> list[float]:
@@ -75,7 +83,7 @@ def predicted_speedups(deployment: Deployment, draft_vocab_size: int, taus: list
 
     model, hardware = deployment.model, deployment.hardware
     return [
-        float(predicted_speedup(model, hardware, model.draft, draft_vocab_size, tau, k))
+        float(predicted_speedup(model, hardware, deployment.draft, draft_vocab_size, tau, k))
         for k, tau in enumerate(taus, start=1)
     ]
 

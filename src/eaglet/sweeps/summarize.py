@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 import eaglet.config  # noqa: F401  (registers the schemas and resolvers)
-from eaglet.config import PROJECT_ROOT
+from eaglet.config import project_root
 from eaglet.errors import DataError, EagletError
 from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir
@@ -50,8 +50,8 @@ def _deployment(trials: list[Trial], model: str | None, hardware: str | None) ->
             raise DataError(
                 f"{trials[0].folder}: no finished trial and no .hydra/config.yaml to read the target from"
             )
-        recorded = Deployment(cfg.model, cfg.hardware)
-    return resolve_deployment(recorded.model, recorded.hardware, model, hardware)
+        recorded = Deployment(cfg.model, cfg.draft, cfg.hardware)
+    return resolve_deployment(recorded.model, recorded.draft, recorded.hardware, model, hardware)
 
 
 def summarize(sweep_dir: Path, model: str | None = None, hardware: str | None = None) -> SweepSummary:
@@ -77,7 +77,7 @@ def print_report(result: SweepSummary, console: Console) -> None:
     else:
         console.print(
             f"\nrecommended for {result.deployment.model.name} on {result.deployment.hardware.name}: "
-            f"trainer.ttt_steps={rec.row.ttt_steps} model.draft_vocab_size={rec.row.draft_vocab_size}, "
+            f"trainer.ttt_steps={rec.row.ttt_steps} draft.vocab_size={rec.row.draft_vocab_size}, "
             f"serve {rec.draft_length} draft tokens: τ {rec.tau:.3f}, predicted speedup {rec.speedup:.3f}x "
             f"(trial {rec.row.trial}, {rec.row.folder})"
         )
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", help="hardware to predict the speedup on (a name under conf/hardware)")
     args = parser.parse_args(argv)
     try:
-        sweep_dir = args.sweep_dir or newest_sweep(PROJECT_ROOT / "outputs")
+        sweep_dir = args.sweep_dir or newest_sweep(project_root() / "outputs")
         result = summarize(sweep_dir, args.model, args.hardware)
     except EagletError as exc:
         print(f"error: {exc}", file=sys.stderr)

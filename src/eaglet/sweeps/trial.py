@@ -19,6 +19,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from eaglet.config import check_config
 from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError
 from eaglet.fsutil import atomic_write_json
@@ -34,8 +35,6 @@ from eaglet.train.run import run_training
 from eaglet.train.tracking import finish_wandb
 
 TRIAL_FILE = "sweep_trial.json"
-TAU_SOURCES = ("decode", "sim")
-OBJECTIVES = ("speedup", "tau")
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +43,6 @@ def check_sweep_settings(cfg: EagletConfig) -> None:
     sw = cfg.sweep
     if sw.max_draft_length < 1:
         raise ConfigError(f"sweep.max_draft_length must be >= 1, got {sw.max_draft_length}")
-    if sw.tau_source not in TAU_SOURCES:
-        raise ConfigError(f"sweep.tau_source must be one of {TAU_SOURCES}, got {sw.tau_source!r}")
-    if sw.objective not in OBJECTIVES:
-        raise ConfigError(f"sweep.objective must be one of {OBJECTIVES}, got {sw.objective!r}")
 
 
 def vocab_coverage(shards: Path, draft_vocab_size: int) -> float:
@@ -72,7 +67,7 @@ def measure(cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployme
         target_norm_eps=cfg.model.rms_norm_eps,
         tokens_per_batch=plan_trainer(cfg.hardware, tr).tokens_per_device,
         val_fraction=tr.val_fraction,
-        seed=tr.seed,
+        seed=cfg.seed,
         chunk_tokens=tr.loss_chunk_tokens,
         device=device,
     )
@@ -82,7 +77,7 @@ def measure(cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployme
 
         decode = decode_curve(cfg, RunDir(run_dir).draft_dir, sw.max_draft_length)
     taus = (decode or sim)["tau"]
-    speedups = predicted_speedups(deployment, cfg.model.draft_vocab_size, taus)
+    speedups = predicted_speedups(deployment, cfg.draft.vocab_size, taus)
     best = max(range(len(speedups)), key=speedups.__getitem__)
     return {
         "tau": taus,
@@ -120,10 +115,10 @@ def _identity(cfg: EagletConfig, run_dir: Path) -> dict[str, Any]:
         "overrides": list(hydra_cfg.overrides.task) if hydra_cfg is not None else [],
         "run_dir": str(run_dir),
         "ttt_steps": int(cfg.trainer.ttt_steps),
-        "draft_vocab_size": int(cfg.model.draft_vocab_size),
+        "draft_vocab_size": int(cfg.draft.vocab_size),
         "max_draft_length": int(cfg.sweep.max_draft_length),
-        "tau_source": cfg.sweep.tau_source,
-        "objective": cfg.sweep.objective,
+        "tau_source": str(cfg.sweep.tau_source),
+        "objective": str(cfg.sweep.objective),
     }
 
 
@@ -137,10 +132,11 @@ def run_trial(cfg: EagletConfig, run_dir: Path) -> float | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_dir / TRIAL_FILE, {**record, "status": "running"})
     try:
+        check_config(cfg)
         check_sweep_settings(cfg)
         check_one_process_per_rank(plan_trainer(cfg.hardware, cfg.trainer).world_size)
         deployment = resolve_deployment(
-            cfg.model, cfg.hardware, cfg.sweep.serve_model, cfg.sweep.serve_hardware
+            cfg.model, cfg.draft, cfg.hardware, cfg.sweep.serve_model, cfg.sweep.serve_hardware
         )
         shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
         summary = run_training(cfg, run_dir, finish_tracking=False)
@@ -148,7 +144,7 @@ def run_trial(cfg: EagletConfig, run_dir: Path) -> float | None:
             return None
         print_summary(summary)
         result = measure(cfg, run_dir, shards, deployment)
-        result["vocab_coverage"] = vocab_coverage(shards, cfg.model.draft_vocab_size)
+        result["vocab_coverage"] = vocab_coverage(shards, cfg.draft.vocab_size)
         _log_to_wandb(result)
         finish_wandb(failed=False)
     except Exception as exc:  # any failure ends this trial only

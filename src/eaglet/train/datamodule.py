@@ -145,11 +145,11 @@ class ShardDataModule(LightningDataModule):
         if tokens_per_batch < 1:
             raise ConfigError(f"tokens_per_batch must be a positive number of tokens, got {tokens_per_batch}")
         if num_workers < 0:
-            raise ConfigError(f"trainer.num_workers must be >= 0, got {num_workers}")
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
         if loader_threads < 0:
-            raise ConfigError(f"trainer.loader_threads must be >= 0, got {loader_threads}")
+            raise ConfigError(f"loader_threads must be >= 0, got {loader_threads}")
         if not 0.0 <= val_fraction < 1.0:
-            raise ConfigError(f"trainer.val_fraction must be in [0, 1), got {val_fraction}")
+            raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.shard_dir = Path(shard_dir)
         self.tokens_per_batch = tokens_per_batch
         self.val_fraction = val_fraction

@@ -8,7 +8,6 @@ import torch
 
 from eaglet.config.schema import HardwareConfig, TrainerConfig
 from eaglet.errors import ConfigError
-from eaglet.train.strategy import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -31,28 +30,13 @@ class TrainerPlan:
 
 
 def plan_trainer(hw: HardwareConfig, tr: TrainerConfig) -> TrainerPlan:
-    """Resolve devices/strategy (trainer.* overrides win) and the gradient accumulation."""
-    devices = tr.devices if tr.devices is not None else hw.devices
-    strategy = tr.strategy if tr.strategy is not None else hw.strategy
-    if devices < 1:
-        raise ConfigError(f"trainer.devices must be >= 1, got {devices}")
-    if strategy == "auto" and devices * hw.num_nodes > 1:
-        strategy = "ddp"
-    if strategy not in STRATEGIES:
-        raise ConfigError(
-            f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)} (set by trainer.strategy or hardware.strategy)"
-        )
-    if strategy == "fsdp" and tr.embed_dtype is not None:
-        raise ConfigError(
-            f"trainer.embed_dtype={tr.embed_dtype} cannot be combined with trainer.strategy=fsdp (FSDP flattens "
-            "each unit into one dtype); leave trainer.embed_dtype=null"
-        )
-    if strategy == "fsdp" and hw.accelerator != "gpu":
-        raise ConfigError(
-            f"trainer.strategy=fsdp needs GPUs (Lightning's FSDP has no CPU backend); hardware={hw.name} is "
-            f"accelerator={hw.accelerator}: use trainer.strategy=ddp there"
-        )
-    world = devices * hw.num_nodes
+    """Resolve the strategy (auto = ddp on several devices) and the gradient accumulation.
+
+    hardware.strategy, hardware.devices and FSDP's requirements are checked after composition
+    (eaglet.config.checks); the global batch is checked here, against the hardware that trains.
+    """
+    world = hw.devices * hw.num_nodes
+    strategy = "ddp" if hw.strategy == "auto" and world > 1 else hw.strategy
     per_step = hw.tokens_per_device * world
     if tr.global_batch_tokens % per_step:
         raise ConfigError(
@@ -61,8 +45,8 @@ def plan_trainer(hw: HardwareConfig, tr: TrainerConfig) -> TrainerPlan:
             "set trainer.global_batch_tokens to a multiple of it"
         )
     return TrainerPlan(
-        accelerator=hw.accelerator,
-        devices=devices,
+        accelerator=str(hw.accelerator),
+        devices=hw.devices,
         num_nodes=hw.num_nodes,
         precision=hw.precision,
         strategy=strategy,
@@ -81,6 +65,6 @@ def check_machine(hw: HardwareConfig, plan: TrainerPlan) -> None:
         raise ConfigError(
             f"hardware={hw.name} needs {plan.devices} x {hw.gpu} GPU(s) per node ({plan.num_nodes} node(s)); "
             f"this machine has {this}. Choose a config that fits, e.g. hardware=cpu"
-            + (f" or hardware={hw.name} trainer.devices={have}" if have else "")
+            + (f" or hardware={hw.name} hardware.devices={have}" if have else "")
             + " (configs live in conf/hardware/)"
         )

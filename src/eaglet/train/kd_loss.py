@@ -65,7 +65,7 @@ def teacher_targets(
     mapped to its target id; equal to the full argmax wherever that lies in the draft vocab).
     """
     if chunk_tokens < 1:
-        raise ConfigError(f"trainer.loss_chunk_tokens must be >= 1, got {chunk_tokens}")
+        raise ConfigError(f"loss_chunk_tokens must be >= 1, got {chunk_tokens}")
     device, lm_dtype = lm_head_weight.device, lm_head_weight.dtype
     acc = torch.promote_types(lm_dtype, torch.float32)
     draft_ids = torch.arange(d2t.numel(), device=device) + d2t.to(device)
@@ -188,5 +188,5 @@ def linear_soft_cross_entropy(
     element-wise work through torch.compile (same values up to float rounding).
     """
     if chunk_tokens < 1:
-        raise ConfigError(f"trainer.loss_chunk_tokens must be >= 1, got {chunk_tokens}")
+        raise ConfigError(f"loss_chunk_tokens must be >= 1, got {chunk_tokens}")
     return _LinearSoftCrossEntropy.apply(hidden, weight, teacher, rows, chunk_tokens, compiled)

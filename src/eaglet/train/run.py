@@ -12,8 +12,9 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from eaglet.config.schema import DraftConfig, EagletConfig, TrainerConfig
-from eaglet.errors import ConfigError, DataError
+from eaglet.config.plain import plain_config
+from eaglet.config.schema import DraftConfig, EagletConfig, ModelConfig, TrainerConfig
+from eaglet.errors import DataError
 from eaglet.formats.writer import export_eagle
 from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir, resolve_ckpt_path
@@ -43,15 +44,15 @@ class TrainSummary:
     seconds: float
 
 
-def check_manifest(cfg: EagletConfig, manifest: Manifest, directory: Path) -> None:
+def check_manifest(model: ModelConfig, manifest: Manifest, directory: Path) -> None:
     """The shards must come from this target, at these layers and this hidden size."""
-    aux_ids = resolve_aux_layer_ids(cfg.model)
+    aux_ids = resolve_aux_layer_ids(model)
     t = manifest.target
     checks = [
-        ("model.name", cfg.model.name, t.get("name")),
-        ("model.num_layers", cfg.model.num_layers, t.get("num_layers")),
-        ("model.hidden_size", cfg.model.hidden_size, manifest.hidden_size),
-        ("model.vocab_size", cfg.model.vocab_size, manifest.vocab_size),
+        ("model.name", model.name, t.get("name")),
+        ("model.num_layers", model.num_layers, t.get("num_layers")),
+        ("model.hidden_size", model.hidden_size, manifest.hidden_size),
+        ("model.vocab_size", model.vocab_size, manifest.vocab_size),
         ("model.aux_layer_ids", aux_ids, manifest.aux_layer_ids),
     ]
     for key, want, have in checks:
@@ -61,11 +62,6 @@ def check_manifest(cfg: EagletConfig, manifest: Manifest, directory: Path) -> No
                 "manifest; extract for this model (python extract.py model=...) or point "
                 "extract.output_dir at the matching shards"
             )
-    if cfg.model.draft.hidden_size != cfg.model.hidden_size:
-        raise ConfigError(
-            f"model.draft.hidden_size={cfg.model.draft.hidden_size} must equal the target's hidden size "
-            f"{cfg.model.hidden_size}: the head reuses the target's embeddings and lm_head rows"
-        )
 
 
 def optimizer_steps(tr: TrainerConfig, datamodule: ShardDataModule, plan: TrainerPlan) -> int:
@@ -76,15 +72,17 @@ def optimizer_steps(tr: TrainerConfig, datamodule: ShardDataModule, plan: Traine
     return tr.max_epochs * max(1, micro_batches // plan.accumulate_grad_batches)
 
 
-def build_module(cfg: EagletConfig, manifest: Manifest, total_steps: int) -> DraftHeadModule:
-    tr = cfg.trainer
+def build_module(
+    draft: DraftConfig, tr: TrainerConfig, manifest: Manifest, *, target_norm_eps: float, total_steps: int
+) -> DraftHeadModule:
+    """The LightningModule for these shards; its hyperparameters are plain values (weights_only checkpoints)."""
     return DraftHeadModule(
-        draft=OmegaConf.to_container(cfg.model.draft, resolve=True),
+        draft=OmegaConf.to_container(OmegaConf.structured(draft), resolve=True),
         target_hidden_size=manifest.hidden_size,
         vocab_size=manifest.vocab_size,
-        draft_vocab_size=cfg.model.draft_vocab_size,
+        draft_vocab_size=draft.vocab_size,
         num_aux=len(manifest.aux_layer_ids),
-        target_norm_eps=cfg.model.rms_norm_eps,
+        target_norm_eps=target_norm_eps,
         ttt_steps=tr.ttt_steps,
         step_loss_decay=tr.step_loss_decay,
         lr=tr.lr,
@@ -95,10 +93,10 @@ def build_module(cfg: EagletConfig, manifest: Manifest, total_steps: int) -> Dra
         mask_outside_draft_vocab=tr.mask_outside_draft_vocab,
         feature_noise_std=tr.feature_noise_std,
         loss_chunk_tokens=tr.loss_chunk_tokens,
-        attention=tr.attention,
+        attention=str(tr.attention),
         compile=tr.compile,
         full_vocab_train_accuracy=tr.full_vocab_train_accuracy,
-        embed_dtype=tr.embed_dtype,
+        embed_dtype=None if tr.embed_dtype is None else str(tr.embed_dtype),
     )
 
 
@@ -111,25 +109,23 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     start = time.perf_counter()
     run = RunDir(run_dir)
     tr = cfg.trainer
-    if tr.ttt_steps < 1:
-        raise ConfigError(f"trainer.ttt_steps must be >= 1, got {tr.ttt_steps}")
     shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
     manifest = read_manifest(shards)
     if not manifest.complete:
         raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")
-    check_manifest(cfg, manifest, shards)
-    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.model.draft_vocab_size)
+    check_manifest(cfg.model, manifest, shards)
+    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
 
     plan = plan_trainer(cfg.hardware, tr)
     check_machine(cfg.hardware, plan)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.output_dir))
-    L.seed_everything(tr.seed, workers=True, verbose=False)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = ShardDataModule(
         shards,
         tokens_per_batch=plan.tokens_per_device,
         val_fraction=tr.val_fraction,
-        seed=tr.seed,
+        seed=cfg.seed,
         num_workers=tr.num_workers,
         check_finite=True,
         loader_threads=tr.loader_threads,
@@ -138,7 +134,9 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     micro_batches = datamodule.train_batches_per_rank(plan.world_size)
     total_steps = optimizer_steps(tr, datamodule, plan)
 
-    module = build_module(cfg, manifest, total_steps)
+    module = build_module(
+        cfg.draft, tr, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=total_steps
+    )
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
 
     checkpoint = ModelCheckpoint(
@@ -157,7 +155,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         every_n_train_steps=tr.checkpoint_every_n_steps,
     )
     val_interval = min(micro_batches, tr.val_every_n_steps * plan.accumulate_grad_batches)
-    loggers = make_loggers(cfg, run_dir, job_type="train")
+    loggers = make_loggers(cfg.wandb, plain_config(cfg), run_dir, job_type="train")
     failed = True
     try:
         trainer = L.Trainer(
@@ -200,11 +198,13 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     if trainer.global_rank != 0:
         return None
     # Exported from a plain copy of the selected checkpoint, whatever strategy trained it.
-    selected = build_module(cfg, manifest, total_steps)
+    selected = build_module(
+        cfg.draft, tr, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=total_steps
+    )
     selected.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
     export_dir = export_eagle(
         selected.head,
-        DraftConfig(**OmegaConf.to_container(cfg.model.draft, resolve=True)),
+        DraftConfig(**OmegaConf.to_container(cfg.draft, resolve=True)),
         run.draft_dir,
         aux_layer_ids=manifest.aux_layer_ids,
         overwrite=True,  # a run trained again into its folder (a pinned hydra.run.dir) replaces its head

@@ -28,7 +28,7 @@ def split_by_sample_id(
     between the splits. With val_fraction > 0 at least one sequence is held out (the one of smallest hash).
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"trainer.val_fraction must be in [0, 1), got {val_fraction}")
+        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
     ids = np.asarray(sample_ids, dtype=np.int64).astype(np.uint64)
     hashes = _mix64(_mix64(ids) ^ np.uint64(seed % 2**64))
     # The top 53 bits as a uniform float in [0, 1).

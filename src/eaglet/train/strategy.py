@@ -11,11 +11,9 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy
 
 from eaglet.model.draft_head import Eagle3DecoderLayer
 
-STRATEGIES = ("auto", "ddp", "fsdp")
-
 
 def build_strategy(name: str, world_size: int) -> str | Strategy:
-    """`name` is one of STRATEGIES, checked when the trainer plan is made (eaglet.train.hardware)."""
+    """`name` is one of eaglet.config.choices.STRATEGIES (hardware.strategy, checked after composition)."""
     if name == "auto" or world_size == 1 and name == "ddp":
         return "auto"
     if name == "ddp":

@@ -6,13 +6,13 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from omegaconf import OmegaConf
 
-from eaglet.config.schema import EagletConfig
+from eaglet.config.schema import WandbConfig
 
 
 def wandb_logged_in() -> bool:
@@ -32,7 +32,10 @@ def sweep_group() -> str | None:
     return Path(hydra_cfg.sweep.dir).name
 
 
-def make_loggers(cfg: EagletConfig, run_dir: Path, job_type: str) -> list[Logger]:
+def make_loggers(
+    wandb_cfg: WandbConfig, run_config: dict[str, Any], run_dir: Path, job_type: str
+) -> list[Logger]:
+    """A CSV logger, and a W&B one (recording `run_config`) unless WANDB_MODE=disabled."""
     # metrics.csv sits in the run folder beside Hydra's files, which the CSV logger would warn about.
     warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
     loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="", version="")]
@@ -42,14 +45,14 @@ def make_loggers(cfg: EagletConfig, run_dir: Path, job_type: str) -> list[Logger
         return loggers
     loggers.append(
         WandbLogger(
-            project=cfg.wandb.project,
-            entity=cfg.wandb.entity,
-            group=cfg.wandb.group or sweep_group(),
-            tags=list(cfg.wandb.tags),
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            group=wandb_cfg.group or sweep_group(),
+            tags=list(wandb_cfg.tags),
             name=run_dir.name,
             job_type=job_type,
             save_dir=str(run_dir),
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=run_config,
         )
     )
     return loggers

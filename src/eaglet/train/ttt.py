@@ -44,13 +44,14 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from eaglet.config.choices import Attention
 from eaglet.errors import ConfigError, DataError
 from eaglet.model.attention import SdpaTTTAttention
 from eaglet.model.draft_head import Eagle3DecoderLayer, Eagle3DraftHead, rope_cos_sin
 from eaglet.model.ttt_flex import FlexTTTAttention, flex_unsupported
 from eaglet.train.kd_loss import linear_soft_cross_entropy, soft_cross_entropy, teacher_targets
 
-ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+ATTENTION_BACKENDS = tuple(Attention)
 BATCH_KEYS = (
     "input_ids",
     "loss_mask",
@@ -75,7 +76,7 @@ class TTTOutput:
 def select_attention(attention: str, device: torch.device, head_dim: int) -> str:
     """The TTT attention backend: "auto" is flex on CUDA where its kernels take the head size, else sdpa."""
     if attention not in ATTENTION_BACKENDS:
-        raise ConfigError(f"trainer.attention={attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+        raise ConfigError(f"attention={attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     unsupported = flex_unsupported(head_dim, device)
     if attention == "auto":
         return "flex" if device.type == "cuda" and unsupported is None else "sdpa"
@@ -274,9 +275,9 @@ def ttt_forward(
     function (None: on CUDA); otherwise through `head.logits`.
     """
     if ttt_steps < 1:
-        raise ConfigError(f"trainer.ttt_steps must be >= 1, got {ttt_steps}")
+        raise ConfigError(f"ttt_steps must be >= 1, got {ttt_steps}")
     if step_loss_decay <= 0:
-        raise ConfigError(f"trainer.step_loss_decay must be > 0, got {step_loss_decay}")
+        raise ConfigError(f"step_loss_decay must be > 0, got {step_loss_decay}")
     device = head.fc.weight.device
     backend = select_attention(attention, device, head.head_dim)
     t = _check_batch(batch)

@@ -50,7 +50,7 @@ def model_path(model: ModelConfig) -> str:
     if model.source != "path" or not model.path or model.path == "???":
         raise ConfigError(
             f"extract.backend=vllm serves the target from a Hugging Face folder, but model {model.name!r} has "
-            f"model.source={model.source!r}; set model.source=path model.path=/path/to/weights"
+            f"model.source='{model.source}'; set model.source=path model.path=/path/to/weights"
         )
     return str(model.path)
 

@@ -113,7 +113,7 @@ def _run(
         **core.shared_settings(job, aux_ids),
         "target_dtype": job.model.dtype,
         "check_tokenization": ext.vllm.check_tokenization,
-        "regenerate": dict(ext.regenerate) if ext.regenerate.enabled else None,
+        "regenerate": dict(ext.regenerate) | {"seed": job.seed} if ext.regenerate.enabled else None,
     }
     manifest = core.start_folder(
         job,

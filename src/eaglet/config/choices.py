@@ -1,0 +1,94 @@
+"""The closed sets of strings a config key may take.
+
+Each is a StrEnum whose member names equal their values: a wrong value fails at composition with the key
+and the allowed values, and a member still behaves as its string (`str(x)`, f-strings, `x == "flex"`).
+Hand plain strings (`str(x)`) to anything pickled or serialised by type: Lightning hyperparameters, which
+must load with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ModelSource(StrEnum):
+    """Where the target's weights come from."""
+
+    gguf_package = "gguf_package"  # a GGUF file shipped in a pip package
+    path = "path"  # a local Hugging Face folder (model.path)
+    random = "random"  # random init from the config's dims: tests, benchmarks
+
+
+class TargetDtype(StrEnum):
+    """The dtype the target runs in; auto = float32 on CPU, bfloat16 on GPUs."""
+
+    auto = "auto"
+    float32 = "float32"
+    fp32 = "fp32"
+    bfloat16 = "bfloat16"
+    bf16 = "bf16"
+    float16 = "float16"
+    fp16 = "fp16"
+
+
+class FloatDtype(StrEnum):
+    """A floating-point dtype eaglet stores tensors in: shard features, the frozen embedding table."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Accelerator(StrEnum):
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class Interconnect(StrEnum):
+    """The device-to-device link of a machine."""
+
+    none = "none"
+    pcie = "pcie"
+    nvlink = "nvlink"
+
+
+class ExtractBackend(StrEnum):
+    transformers = "transformers"
+    vllm = "vllm"
+
+
+class Attention(StrEnum):
+    """TTT attention: auto (flex on CUDA, sdpa on CPU), flex (block-sparse flex_attention, CUDA), sdpa."""
+
+    auto = "auto"
+    flex = "flex"
+    sdpa = "sdpa"
+
+
+class ExportFormat(StrEnum):
+    eagle = "eagle"  # vLLM and SGLang
+    speculators = "speculators"  # vLLM and the speculators package
+
+
+class TauSource(StrEnum):
+    """Where a sweep trial's τ comes from: decoding against the target, or simulated on validation shards."""
+
+    decode = "decode"
+    sim = "sim"
+
+
+class SweepObjective(StrEnum):
+    speedup = "speedup"
+    tau = "tau"
+
+
+class AttentionKeys(StrEnum):
+    """Keys a training attention query visits on GPUs: the whole packed micro-batch, or its document's."""
+
+    row = "row"
+    document = "document"
+
+
+# Lightning strategies eaglet trains with (eaglet.train.strategy). hardware.strategy stays a plain string,
+# checked after composition (eaglet.config.checks), so a wrong one is a ConfigError naming these.
+STRATEGIES = ("auto", "ddp", "fsdp")
