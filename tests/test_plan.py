@@ -22,7 +22,6 @@ from eaglet.plan.data_size import DataSize, estimate_data_size
 from eaglet.plan.disk import ITEMSIZE, estimate_disk, shard_bytes_per_token
 from eaglet.plan.extraction import prefill_seconds_per_token
 from eaglet.plan.serving import predicted_speedup, serving_point
-from eaglet.plan.stage import shard_folder
 from eaglet.plan.target_cost import expected_distinct_experts, forward_weight_bytes, ring_allreduce_seconds
 from eaglet.plan.training import (
     LOSS_BYTES_PER_LOGIT,
@@ -35,6 +34,7 @@ from eaglet.plan.training import (
     loss_bytes_per_token,
     training_flops_per_token,
 )
+from eaglet.shards.layout import shard_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DRAFT = DraftConfig(
@@ -339,7 +339,12 @@ def test_several_tables_under_one_heading(tmp_path: Path):
 def data_size(cfg) -> DataSize:
     """estimate_data_size on the slices plan.py passes it."""
     cfg = OmegaConf.to_object(cfg)
-    return estimate_data_size(cfg.plan, cfg.dataset, cfg.extract, shard_folder(cfg))
+    return estimate_data_size(
+        cfg.plan,
+        cfg.dataset,
+        cfg.extract,
+        shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir),
+    )
 
 
 def _write_jsonl(path: Path) -> None:
