@@ -2,6 +2,7 @@
 
 python evaluate.py                                         # the newest run, embedded default
 python evaluate.py eval.run=outputs/train/<time> eval.sets=[mt_bench_like,code,math] eval.num_spec_tokens=5
+python evaluate.py +eval.set_defs.mine.path=/data/prompts.jsonl +eval.set_defs.mine.count=50 eval.sets=[mine]
 """
 
 from pathlib import Path

@@ -58,15 +58,63 @@ def test_evaluation_reports_both_proposers_and_stays_lossless(compose, shards, r
 
 
 def test_prompts_seen_in_training_are_dropped(compose, shards, run_dir: Path) -> None:  # noqa: F811
-    # The training dataset is oasst_en100 (first 30 records): an eval set over the same records overlaps fully.
-    same = [
+    # The training dataset is oasst_en100 (first 30 records): records 28 and 29 overlap, 30 and 31 do not.
+    straddling = [
         "eval.sets=[code]",
+        "eval.set_defs.code.path=${paths.shared_data}/oasst_en100.jsonl",
+        "eval.set_defs.code.skip=28",
+        "eval.set_defs.code.count=4",
+        "eval.prompts_per_set=4",
+    ]
+    results = run_evaluation(compose(*eval_overrides(shards, run_dir), *straddling))
+    assert results["sets"]["code"]["overlap_dropped"] == 2 and results["sets"]["code"]["prompts"] == 2
+
+
+def test_a_set_seen_whole_in_training_fails_and_keeps_earlier_results(compose, shards, run_dir: Path) -> None:  # noqa: F811
+    """Issue 18: it used to end with rc 0, an empty table, and an eval.json without results over the old one."""
+    same = [
+        "eval.sets=[math,code]",
         "eval.set_defs.code.path=${paths.shared_data}/oasst_en100.jsonl",
         "eval.set_defs.code.skip=0",
         "eval.set_defs.code.count=3",
     ]
-    results = run_evaluation(compose(*eval_overrides(shards, run_dir), *same))
-    assert results["sets"]["code"]["overlap_dropped"] == 2 and results["sets"]["code"]["prompts"] == 0
+    earlier = '{"sets": {"math": "an earlier evaluation"}}'
+    (run_dir / "eval.json").write_text(earlier)
+    with pytest.raises(DataError) as exc:
+        run_evaluation(compose(*eval_overrides(shards, run_dir), *same))
+    message = str(exc.value)
+    assert (
+        "prompt set 'code'" in message and "all 2 prompts" in message and "eval.set_defs.code.skip" in message
+    )
+    assert (run_dir / "eval.json").read_text() == earlier
+
+
+def test_a_set_added_from_the_command_line_is_evaluated(compose, shards, run_dir: Path) -> None:  # noqa: F811
+    added = [
+        "+eval.set_defs.extra.path=${paths.shared_data}/gsm8k_train.jsonl",
+        "+eval.set_defs.extra.skip=7100",
+        "eval.sets=[extra]",
+        "eval.prompts_per_set=1",
+    ]
+    results = run_evaluation(compose(*eval_overrides(shards, run_dir), *added))
+    assert results["sets"]["extra"]["prompts"] == 1 and set(results["sets"]["extra"]["results"]) == {
+        "eaglet",
+        "ngram",
+    }
+
+
+def test_an_unfinished_run_is_named_by_the_stage_key(compose, tmp_path: Path) -> None:
+    """Issue 18: export of an unfinished run used to suggest eval.run=."""
+    unfinished = tmp_path / "train" / "killed"
+    (unfinished / "checkpoints").mkdir(parents=True)
+    for stage, key in ((run_export, "export.run"), (run_evaluation, "eval.run")):
+        with pytest.raises(ConfigError) as newest:
+            stage(compose(f"paths.output_dir={tmp_path}"))
+        with pytest.raises(DataError) as named:
+            stage(compose(f"paths.output_dir={tmp_path}", f"{key}={unfinished}"))
+        for exc in (newest, named):
+            assert f"{key}=" in str(exc.value), str(exc.value)
+            assert ("eval.run" if key == "export.run" else "export.run") not in str(exc.value)
 
 
 @pytest.mark.parametrize(
@@ -74,6 +122,7 @@ def test_prompts_seen_in_training_are_dropped(compose, shards, run_dir: Path) ->
     [
         (["eval.num_spec_tokens=0"], ConfigError, "num_spec_tokens"),
         (["eval.sets=[nope]"], ConfigError, "nope"),
+        (["eval.sets=[]"], ConfigError, "eval.sets is empty"),
         (["eval.set_defs.code.skip=100000"], DataError, "no records after"),
     ],
 )

@@ -35,18 +35,18 @@ def test_layout(tmp_path: Path) -> None:
 def test_newest_run_with_a_report(tmp_path: Path) -> None:
     _run(tmp_path, "a", age=0)
     older = _run(tmp_path, "b", age=10)
-    assert RunDir.resolve(None, tmp_path).path.name == "a"
-    assert RunDir.resolve("last", tmp_path) == RunDir.newest(tmp_path)
-    assert RunDir.resolve(str(older.path), tmp_path) == older
+    assert RunDir.resolve(None, tmp_path, key="eval.run").path.name == "a"
+    assert RunDir.resolve("last", tmp_path, key="eval.run") == RunDir.newest(tmp_path, key="eval.run")
+    assert RunDir.resolve(str(older.path), tmp_path, key="eval.run") == older
     with pytest.raises(ConfigError, match="no finished training run"):
-        RunDir.newest(tmp_path / "empty")
+        RunDir.newest(tmp_path / "empty", key="eval.run")
 
 
 def test_a_named_run_needs_its_head(tmp_path: Path) -> None:
     headless = _run(tmp_path, "a", age=0, head=False)
     assert not headless.has_head()
     with pytest.raises(DataError, match=r"no finished head \(no draft/config.json\)"):
-        RunDir.resolve(str(headless.path), tmp_path)
+        RunDir.resolve(str(headless.path), tmp_path, key="export.run")
 
 
 def test_settings_read_back(tmp_path: Path) -> None:

@@ -74,25 +74,30 @@ class RunDir:
         return OmegaConf.load(self.settings_file)
 
     @classmethod
-    def newest(cls, output_dir: Path) -> RunDir:
-        """The newest training run under `output_dir` that has a report."""
+    def newest(cls, output_dir: Path, *, key: str) -> RunDir:
+        """The newest training run under `output_dir` that has a report; `key` is the stage's run setting."""
         run = _newest(output_dir, cls.REPORT_FILE)
         if run is None:
             raise ConfigError(
-                f"no finished training run under {output_dir}/{TRAIN_RUNS}; train one (python train.py) or pass eval.run=..."
+                f"no finished training run under {output_dir}/{TRAIN_RUNS}; train one (python train.py) or pass "
+                f"{key}=<run folder>"
             )
         return run
 
     @classmethod
-    def resolve(cls, value: str | None, output_dir: Path) -> RunDir:
-        """A training run folder; null or "last" = the newest run that has a report."""
+    def resolve(cls, value: str | None, output_dir: Path, *, key: str) -> RunDir:
+        """A training run folder; null or "last" = the newest run that has a report.
+
+        `key` is the setting `value` came from (eval.run, export.run): the messages name it.
+        """
         if value in (None, "last"):
-            return cls.newest(output_dir)
+            return cls.newest(output_dir, key=key)
         run = cls(Path(value))
         if not run.has_head():
             raise DataError(
-                f"{run.path} holds no finished head (no {cls.DRAFT_DIR}/{CONFIG_FILE}): pass a run folder of a "
-                "completed python train.py, or let it finish (python train.py ckpt_path=last)"
+                f"{key}={value}: {run.path} holds no finished head (no {cls.DRAFT_DIR}/{CONFIG_FILE}): pass "
+                f"{key}=<run folder> of a completed python train.py, or let it finish (python train.py "
+                "ckpt_path=last)"
             )
         return run
 

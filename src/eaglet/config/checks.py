@@ -3,19 +3,23 @@
 Types, unknown keys and closed choices fail earlier, at composition (eaglet.config.schema). What is left
 needs no data, no files and no device: a wrong setting fails here, naming its key, before any work starts.
 Checks that depend on one stage's inputs stay in that stage (the shards' manifest, the machine's GPUs, the
-training batch on the training hardware, the planner's datasheet numbers).
+training batch on the training hardware, the planner's datasheet numbers), and so do the sweep trial's own
+settings (a sweep records a wrong one as a failed trial).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from omegaconf import OmegaConf
 
-from eaglet.config.choices import STRATEGIES
+from eaglet.config.bounds import at_least, positive, within
+from eaglet.config.choices import STRATEGIES, ExtractBackend
+from eaglet.config.eval_sets import eval_set_defs
 from eaglet.config.schema import (
+    DatasetConfig,
     DraftConfig,
     EagletConfig,
+    EvalConfig,
+    ExtractConfig,
     HardwareConfig,
     ModelConfig,
     PlanConfig,
@@ -23,32 +27,139 @@ from eaglet.config.schema import (
 )
 from eaglet.errors import ConfigError
 
+# Lightning's seed_everything (and numpy) take seeds in [0, 2**32 - 1].
+MAX_SEED = 2**32 - 1
+
 
 def check_config(cfg: EagletConfig) -> None:
     """Raise ConfigError, naming the key, at the first setting no stage can run with."""
+    within("", {"seed": cfg.seed}, f"[0, {MAX_SEED}]")
+    check_model(cfg.model)
+    check_draft(cfg.draft, cfg.model)
     check_trainer(cfg.trainer)
     check_hardware(cfg.hardware, cfg.trainer)
-    check_draft(cfg.draft, cfg.model)
+    check_dataset(cfg.dataset)
+    check_extract(cfg.extract)
+    check_eval(cfg.eval)
     check_plan(cfg.plan)
 
 
-def _at_least(section: str, values: dict[str, Any], minimum: int) -> None:
-    for key, value in values.items():
-        if value < minimum:
-            raise ConfigError(f"{section}.{key} must be >= {minimum}, got {value}")
+def check_model(model: ModelConfig) -> None:
+    unset = sorted(OmegaConf.missing_keys(model)) if OmegaConf.is_config(model) else []
+    if unset:
+        name = "your model" if "name" in unset else f"model={model.name}"
+        raise ConfigError(
+            f"{name} leaves {', '.join(f'model.{key}' for key in unset)} unset: set them in its file under "
+            "conf/model/ (the target's config.json has the dimensions)"
+        )
+    dims = (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "weight_bits",
+        "dense_weight_bits",
+    )
+    at_least("model", {key: getattr(model, key) for key in dims}, 1)
+    sparse = (
+        "num_experts",
+        "num_experts_per_tok",
+        "num_shared_experts",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "total_params_b",
+        "active_params_b",
+    )
+    at_least("model", {key: getattr(model, key) for key in sparse}, 0, hint=" (0 = not used)")
+    positive("model", {"rms_norm_eps": model.rms_norm_eps, "rope_theta": model.rope_theta})
+    if model.num_experts_per_tok > model.num_experts:
+        raise ConfigError(
+            f"model.num_experts_per_tok={model.num_experts_per_tok} exceeds model.num_experts="
+            f"{model.num_experts}: a token cannot be routed to more experts than the target has"
+        )
+
+
+def check_draft(draft: DraftConfig, model: ModelConfig) -> None:
+    unset = sorted(OmegaConf.missing_keys(draft)) if OmegaConf.is_config(draft) else []
+    if unset:
+        raise ConfigError(
+            f"model={model.name} has no draft head ({', '.join(f'draft.{key}' for key in unset)} unset): add "
+            f"conf/draft/{model.name}.yaml, or take a shipped shape with draft=<name> (conf/draft/)"
+        )
+    dims = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+    at_least("draft", {key: getattr(draft, key) for key in dims}, 1)
+    at_least("draft", {"vocab_size": draft.vocab_size}, 1)
+    at_least(
+        "draft",
+        {"vocab_size": draft.vocab_size},
+        2,
+        hint=": a one-token draft vocabulary cannot draft (every proposal is that token, so training reports "
+        "loss 0 and accuracy 1.0 and learns nothing); draft heads use thousands, e.g. draft.vocab_size=32000",
+    )
+    at_least("draft", {"max_position_embeddings": draft.max_position_embeddings}, 1)
+    positive("draft", {"rms_norm_eps": draft.rms_norm_eps, "rope_theta": draft.rope_theta})
+    if draft.num_attention_heads % draft.num_key_value_heads:
+        raise ConfigError(
+            f"draft.num_attention_heads={draft.num_attention_heads} is not a multiple of "
+            f"draft.num_key_value_heads={draft.num_key_value_heads}; pick a divisor"
+        )
+    if draft.head_dim % 2:
+        raise ConfigError(f"draft.head_dim={draft.head_dim} must be even for rotary embeddings")
+    if draft.hidden_size != model.hidden_size:
+        raise ConfigError(
+            f"draft.hidden_size={draft.hidden_size} must equal the target's hidden size "
+            f"model.hidden_size={model.hidden_size}: the head reuses the target's embeddings and lm_head rows"
+        )
 
 
 def check_trainer(tr: TrainerConfig) -> None:
-    _at_least("trainer", {"ttt_steps": tr.ttt_steps, "loss_chunk_tokens": tr.loss_chunk_tokens}, 1)
-    _at_least("trainer", {"num_workers": tr.num_workers, "loader_threads": tr.loader_threads}, 0)
-    if tr.step_loss_decay <= 0:
-        raise ConfigError(f"trainer.step_loss_decay must be > 0, got {tr.step_loss_decay}")
-    if not 0.0 <= tr.val_fraction < 1.0:
-        raise ConfigError(f"trainer.val_fraction must be in [0, 1), got {tr.val_fraction}")
+    counts = {
+        "ttt_steps": tr.ttt_steps,
+        "loss_chunk_tokens": tr.loss_chunk_tokens,
+        "max_epochs": tr.max_epochs,
+        "global_batch_tokens": tr.global_batch_tokens,
+        "val_every_n_steps": tr.val_every_n_steps,
+        "checkpoint_every_n_steps": tr.checkpoint_every_n_steps,
+    }
+    at_least("trainer", counts, 1)
+    at_least("trainer", {"num_workers": tr.num_workers, "loader_threads": tr.loader_threads}, 0)
+    if tr.max_steps != -1 and tr.max_steps < 1:
+        raise ConfigError(
+            f"trainer.max_steps must be -1 (trainer.max_epochs decides) or >= 1, got {tr.max_steps}"
+        )
+    positive("trainer", {"lr": tr.lr}, hint=" (the peak learning rate, e.g. trainer.lr=3e-4)")
+    positive("trainer", {"step_loss_decay": tr.step_loss_decay})
+    at_least("trainer", {"weight_decay": tr.weight_decay, "feature_noise_std": tr.feature_noise_std}, 0)
+    at_least("trainer", {"grad_clip": tr.grad_clip}, 0, hint=" (0 = no clipping)")
+    within(
+        "trainer", {"warmup_ratio": tr.warmup_ratio}, "[0, 1)", hint=" (the share of steps spent warming up)"
+    )
+    within("trainer", {"val_fraction": tr.val_fraction}, "[0, 1)", hint=" (0 = no validation)")
 
 
 def check_hardware(hw: HardwareConfig, tr: TrainerConfig) -> None:
-    _at_least("hardware", {"devices": hw.devices, "num_nodes": hw.num_nodes}, 1)
+    at_least("hardware", {"devices": hw.devices, "num_nodes": hw.num_nodes}, 1)
+    at_least("hardware", {"tokens_per_device": hw.tokens_per_device}, 1)
+    datasheet = (
+        "memory_gb_per_device",
+        "bf16_tflops",
+        "memory_bandwidth_gbs",
+        "interconnect_bandwidth_gbs",
+        "disk_tb",
+        "disk_write_gbs",
+        "cpu_cores",
+        "slurm_time_min",
+        "slurm_gpus_per_node",
+    )
+    at_least("hardware", {key: getattr(hw, key) for key in datasheet}, 0, hint=" (0 = unknown)")
     if hw.strategy not in STRATEGIES:
         raise ConfigError(
             f"strategy={hw.strategy!r} is not one of {', '.join(STRATEGIES)} (hardware.strategy)"
@@ -65,54 +176,115 @@ def check_hardware(hw: HardwareConfig, tr: TrainerConfig) -> None:
         )
 
 
-def check_draft(draft: DraftConfig, model: ModelConfig) -> None:
-    unset = sorted(OmegaConf.missing_keys(draft)) if OmegaConf.is_config(draft) else []
-    if unset:
+def check_dataset(dataset: DatasetConfig) -> None:
+    # dataset.paths may stay unset (dataset=jsonl) for stages that read no data; the loader asks for it.
+    if not OmegaConf.is_missing(dataset, "paths") and not dataset.paths:
+        raise ConfigError(f"dataset.paths is empty (dataset={dataset.name}): list its JSONL files")
+    at_least("dataset", {"max_records_per_file": dataset.max_records_per_file}, 1, hint=" (null = all)")
+
+
+def check_extract(ext: ExtractConfig) -> None:
+    sizes = {
+        "max_length": ext.max_length,
+        "batch_tokens": ext.batch_tokens,
+        "shard_tokens": ext.shard_tokens,
+        "max_conversations": ext.max_conversations,
+    }
+    at_least("extract", sizes, 1)
+    regen = ext.regenerate
+    counts = {
+        "max_new_tokens": regen.max_new_tokens,
+        "batch_size": regen.batch_size,
+        "refill_every": regen.refill_every,
+        "concurrency": regen.concurrency,
+    }
+    at_least("extract.regenerate", counts, 1)
+    at_least("extract.regenerate", {"max_retries": regen.max_retries}, 0)
+    at_least("extract.regenerate", {"temperature": regen.temperature}, 0, hint=" (0 = greedy)")
+    within("extract.regenerate", {"top_p": regen.top_p}, "(0, 1]", hint=" (1 = no nucleus cut)")
+    positive("extract.regenerate", {"request_timeout_s": regen.request_timeout_s})
+    vllm = ext.vllm
+    counts = {
+        "tensor_parallel_size": vllm.tensor_parallel_size,
+        "max_model_len": vllm.max_model_len,
+        "concurrency": vllm.concurrency,
+    }
+    at_least("extract.vllm", counts, 1)
+    at_least("extract.vllm", {"max_retries": vllm.max_retries}, 0)
+    within("extract.vllm", {"gpu_memory_utilization": vllm.gpu_memory_utilization}, "(0, 1]")
+    positive("extract.vllm", {"request_timeout_s": vllm.request_timeout_s})
+    if (
+        ext.backend == ExtractBackend.vllm
+        and vllm.max_model_len is not None
+        and vllm.max_model_len <= ext.max_length
+    ):
         raise ConfigError(
-            f"model={model.name} has no draft head ({', '.join(f'draft.{key}' for key in unset)} unset): add "
-            f"conf/draft/{model.name}.yaml, or take a shipped shape with draft=<name> (conf/draft/)"
+            f"extract.vllm.max_model_len={vllm.max_model_len} must exceed extract.max_length={ext.max_length} "
+            "(the prompt plus the one generated token); raise it or leave it null"
         )
-    dims = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-    _at_least("draft", {key: getattr(draft, key) for key in dims}, 1)
-    _at_least("draft", {"vocab_size": draft.vocab_size}, 1)
-    if draft.num_attention_heads % draft.num_key_value_heads:
-        raise ConfigError(
-            f"draft.num_attention_heads={draft.num_attention_heads} is not a multiple of "
-            f"draft.num_key_value_heads={draft.num_key_value_heads}; pick a divisor"
-        )
-    if draft.head_dim % 2:
-        raise ConfigError(f"draft.head_dim={draft.head_dim} must be even for rotary embeddings")
-    if draft.hidden_size != model.hidden_size:
-        raise ConfigError(
-            f"draft.hidden_size={draft.hidden_size} must equal the target's hidden size "
-            f"model.hidden_size={model.hidden_size}: the head reuses the target's embeddings and lm_head rows"
-        )
+
+
+def check_eval(ev: EvalConfig) -> None:
+    set_defs = eval_set_defs(ev)
+    for name in ev.sets:
+        if name not in set_defs:
+            raise ConfigError(
+                f"eval.sets names {name!r}, which is not one of {sorted(set_defs)} (eval.set_defs); add it "
+                f"with +eval.set_defs.{name}.path=/data/prompts.jsonl"
+            )
+    counts = {
+        "num_spec_tokens": ev.num_spec_tokens,
+        "max_new_tokens": ev.max_new_tokens,
+        "ngram_min_n": ev.ngram_min_n,
+    }
+    at_least("eval", counts, 1)
+    at_least("eval", {"prompts_per_set": ev.prompts_per_set}, 1, hint=" (null = each set's count)")
+    if ev.ngram_max_n < ev.ngram_min_n:
+        raise ConfigError(f"eval.ngram_max_n={ev.ngram_max_n} must be >= eval.ngram_min_n={ev.ngram_min_n}")
+    at_least("eval", {"tie_tolerance": ev.tie_tolerance}, 0, hint=" (0 = exact)")
 
 
 def check_plan(plan: PlanConfig) -> None:
-    positive = {
+    positive_keys = {
         "tokens": plan.tokens,
         "conversations": plan.conversations,
         "tokens_per_conversation": plan.tokens_per_conversation,
         "chars_per_token": plan.chars_per_token,
         "deadline_hours": plan.deadline_hours,
     }
-    for key, value in positive.items():
+    for key, value in positive_keys.items():
         if value is not None and value <= 0:
             raise ConfigError(f"plan.{key} must be > 0, got {value}")
     twice = sorted({name for name in plan.compare if list(plan.compare).count(name) > 1})
     if twice:
         raise ConfigError(f"plan.compare lists {twice} more than once; list each hardware once")
+    at_least("plan", {"template_tokens_per_turn": plan.template_tokens_per_turn}, 0)
+    at_least("plan", {"regenerate_batch_size": plan.regenerate_batch_size}, 1)
+    within("plan", {"weight_memory_fraction": plan.weight_memory_fraction}, "(0, 1]")
+    if not plan.dtypes:
+        raise ConfigError("plan.dtypes is empty: list the shard dtypes to size, e.g. plan.dtypes=[bfloat16]")
     serving = plan.serving
     if serving.batch_size < 1 or serving.context_tokens < 0:
         raise ConfigError("plan.serving.batch_size must be >= 1 and plan.serving.context_tokens >= 0")
+    at_least(
+        "plan.serving",
+        {"tensor_parallel_size": serving.tensor_parallel_size, "max_draft_length": serving.max_draft_length},
+        1,
+    )
     assumed = list(serving.acceptance)
     if not serving.acceptance_from and (not assumed or any(not 0.0 <= a <= 1.0 for a in assumed)):
         raise ConfigError(
             f"plan.serving.acceptance must be a non-empty list of values in [0, 1], got {assumed}"
         )
     cal = plan.calibration
-    shares = ("training_efficiency", "training_efficiency_compiled", "training_bandwidth_efficiency")
+    shares = (
+        "training_efficiency",
+        "training_efficiency_compiled",
+        "training_bandwidth_efficiency",
+        "prefill_efficiency",
+        "decode_bandwidth_efficiency",
+        "decode_compute_efficiency",
+    )
     for key in shares:
         if not 0 < getattr(cal, key) <= 1:
             raise ConfigError(f"plan.calibration.{key} must lie in (0, 1], got {getattr(cal, key)}")
@@ -120,3 +292,6 @@ def check_plan(plan: PlanConfig) -> None:
         raise ConfigError(
             f"plan.calibration.pcie_allreduce_share must lie in [0, 1), got {cal.pcie_allreduce_share}"
         )
+    positive("plan.calibration", {"host_store_gbs": cal.host_store_gbs, "disk_write_gbs": cal.disk_write_gbs})
+    at_least("plan.calibration", {"pcie_allreduce_batch_size": cal.pcie_allreduce_batch_size}, 1)
+    at_least("plan.calibration", {"nvlink_allreduce_us": cal.nvlink_allreduce_us}, 0)

@@ -293,7 +293,10 @@ class EvalConfig:
     # bf16 targets may round a K+1-token verification differently from a 1-token step: top-2 logit gaps
     # below this count as near-ties instead of failing the lossless check. 0 = exact (fp32).
     tie_tolerance: float = 0.0
-    set_defs: dict[str, EvalSetConfig] = field(default_factory=dict)
+    # Prompt sets by name, each an EvalSetConfig. A plain mapping here, so that a new set can be added from
+    # the command line (+eval.set_defs.z.path=/x.jsonl); each entry is checked after composition
+    # (eaglet.config.eval_sets).
+    set_defs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eaglet.config.schema import EagletConfig
+from eaglet.config.eval_sets import eval_set_defs
+from eaglet.config.schema import EagletConfig, EvalSetConfig
 from eaglet.data.conversations import load_conversations
 from eaglet.data.dataset import load_dataset
 from eaglet.data.holdout import normalise_prompt
@@ -41,21 +42,25 @@ def training_prompts(cfg: EagletConfig) -> set[str]:
         require_assistant=not cfg.extract.regenerate.enabled,
         strict=cfg.extract.strict,
         max_conversations=cfg.extract.max_conversations,
-        held_out_sets=cfg.eval.set_defs,
+        held_out_sets=eval_set_defs(cfg.eval),
     )
     return {normalise_prompt(t.content) for c in conversations for t in c.turns if t.role == "user"}
+
+
+def prompts_taken(cfg: EagletConfig, spec: EvalSetConfig) -> int:
+    """Records a set contributes: its count, capped by eval.prompts_per_set."""
+    return spec.count if cfg.eval.prompts_per_set is None else min(spec.count, cfg.eval.prompts_per_set)
 
 
 def load_prompt_set(
     cfg: EagletConfig, name: str, tokenizer: Any, template: str, seen: set[str]
 ) -> tuple[list[list[int]], int]:
     """Token ids of the set's prompts (first user turn, generation prompt appended) and how many overlapped training."""
-    if name not in cfg.eval.set_defs:
-        raise ConfigError(
-            f"eval.sets names {name!r}, which is not one of {sorted(cfg.eval.set_defs)} (eval.set_defs)"
-        )
-    spec = cfg.eval.set_defs[name]
-    count = spec.count if cfg.eval.prompts_per_set is None else min(spec.count, cfg.eval.prompts_per_set)
+    set_defs = eval_set_defs(cfg.eval)
+    if name not in set_defs:
+        raise ConfigError(f"eval.sets names {name!r}, which is not one of {sorted(set_defs)} (eval.set_defs)")
+    spec = set_defs[name]
+    count = prompts_taken(cfg, spec)
     conversations, _ = load_conversations([spec.path], max_records=spec.skip + count, require_assistant=False)
     chosen = conversations[spec.skip :]
     if not chosen:
@@ -72,6 +77,20 @@ def load_prompt_set(
     return prompts, overlap
 
 
+def check_prompts_left(cfg: EagletConfig, name: str, prompts: list[list[int]], overlap: int) -> None:
+    """A set whose every prompt was seen in training has nothing to evaluate: say so before decoding anything."""
+    if prompts:
+        return
+    spec = eval_set_defs(cfg.eval)[name]
+    end = spec.skip + prompts_taken(cfg, spec)
+    raise DataError(
+        f"prompt set {name!r}: all {overlap} prompts (records [{spec.skip}, {end}) of {spec.path}) are in the "
+        f"training data (dataset={cfg.dataset.name}) and were dropped as seen in training, so nothing is left "
+        f"to evaluate; nothing was written. Point eval.set_defs.{name}.skip past the records training reads, "
+        f"leave {name!r} out of eval.sets, or train with dataset.holdout_eval_sets=true"
+    )
+
+
 def build_proposers(cfg: EagletConfig, run: RunDir, target: LoadedTarget) -> dict[str, Proposer]:
     embed = target.parts.embed_tokens.weight.detach().float().cpu()
     head, _, aux_ids = load_eagle_draft(run.draft_dir, embed_tokens=embed)
@@ -86,11 +105,15 @@ def build_proposers(cfg: EagletConfig, run: RunDir, target: LoadedTarget) -> dic
 
 
 def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
-    """Evaluate every configured set; results are written to <run>/eval.json and returned."""
+    """Evaluate every configured set; results are written to <run>/eval.json and returned.
+
+    Every set's prompts are read before any decoding, so a set with nothing to evaluate stops the run
+    before it starts, and an earlier eval.json is never replaced by one without results.
+    """
     ev = cfg.eval
-    if ev.num_spec_tokens < 1:
-        raise ConfigError(f"eval.num_spec_tokens must be >= 1, got {ev.num_spec_tokens}")
-    run = RunDir.resolve(ev.run, Path(cfg.paths.output_dir))
+    if not ev.sets:
+        raise ConfigError(f"eval.sets is empty: name prompt sets to evaluate, from {sorted(ev.set_defs)}")
+    run = RunDir.resolve(ev.run, Path(cfg.paths.output_dir), key="eval.run")
     if not run.has_head():
         raise DataError(f"{run.path} holds no finished head (no draft/config.json)")
     check_run_target(run, cfg)
@@ -98,12 +121,14 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
     template = resolve_chat_template(
         target.tokenizer, cfg.model.chat_template, chat_template_variables(cfg.model, cfg.extract.regenerate)
     )
-    proposers = build_proposers(cfg, run, target)
     seen = training_prompts(cfg)
+    prompt_sets = {name: load_prompt_set(cfg, name, target.tokenizer, template, seen) for name in ev.sets}
+    for name, (prompts, overlap) in prompt_sets.items():
+        check_prompts_left(cfg, name, prompts, overlap)
+    proposers = build_proposers(cfg, run, target)
     stop_ids = {target.tokenizer.eos_token_id}
     results: dict[str, Any] = {"run": str(run.path), "num_spec_tokens": ev.num_spec_tokens, "sets": {}}
-    for name in ev.sets:
-        prompts, overlap = load_prompt_set(cfg, name, target.tokenizer, template, seen)
+    for name, (prompts, overlap) in prompt_sets.items():
         per_proposer = evaluate_prompts(
             target,
             proposers,

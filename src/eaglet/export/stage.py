@@ -17,7 +17,7 @@ def run_export(cfg: EagletConfig) -> Path:
     ex = cfg.export
     if ex.format not in FORMATS:
         raise ConfigError(f"export.format={ex.format!r}: choose one of {list(FORMATS)}")
-    run = RunDir.resolve(ex.run, Path(cfg.paths.output_dir))
+    run = RunDir.resolve(ex.run, Path(cfg.paths.output_dir), key="export.run")
     head, draft_cfg, aux_ids = load_eagle_draft(run.draft_dir)
     out_dir = Path(ex.out_dir) if ex.out_dir else run.export_dir(ex.format)
     if ex.format == "eagle":

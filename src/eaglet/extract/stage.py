@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglet.config.eval_sets import eval_set_defs
 from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError
 from eaglet.extract.core import ExtractSummary
@@ -23,7 +24,7 @@ def extraction_job(cfg: EagletConfig) -> ExtractionJob:
         extract=cfg.extract,
         data_dir=Path(cfg.paths.data_dir),
         cache_dir=Path(cfg.paths.cache_dir),
-        held_out_sets=cfg.eval.set_defs,
+        held_out_sets=eval_set_defs(cfg.eval),
         seed=cfg.seed,
     )
 

@@ -55,15 +55,19 @@ def plan_trainer(hw: HardwareConfig, tr: TrainerConfig) -> TrainerPlan:
     )
 
 
-def check_machine(hw: HardwareConfig, plan: TrainerPlan) -> None:
-    """Stop at once when this machine cannot run the chosen hardware config."""
-    if plan.accelerator != "gpu":
+def check_machine(hw: HardwareConfig) -> None:
+    """Stop at once when this machine lacks the GPUs of the chosen hardware config.
+
+    The training stage calls it first, before reading shards or checking the batch: on the wrong machine
+    the missing GPUs are the one thing to fix.
+    """
+    if hw.accelerator != "gpu":
         return
     have = torch.cuda.device_count()
-    if have < plan.devices:
+    if have < hw.devices:
         this = f"{have} CUDA GPU(s)" if have else "no CUDA GPU"
         raise ConfigError(
-            f"hardware={hw.name} needs {plan.devices} x {hw.gpu} GPU(s) per node ({plan.num_nodes} node(s)); "
+            f"hardware={hw.name} needs {hw.devices} x {hw.gpu} GPU(s) per node ({hw.num_nodes} node(s)); "
             f"this machine has {this}. Choose a config that fits, e.g. hardware=cpu"
             + (f" or hardware={hw.name} hardware.devices={have}" if have else "")
             + " (configs live in conf/hardware/)"

@@ -107,6 +107,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     measurements there, then closes it); a failed run is closed as failed either way.
     """
     start = time.perf_counter()
+    check_machine(cfg.hardware)
     run = RunDir(run_dir)
     tr = cfg.trainer
     shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
@@ -117,7 +118,6 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
 
     plan = plan_trainer(cfg.hardware, tr)
-    check_machine(cfg.hardware, plan)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.output_dir))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
