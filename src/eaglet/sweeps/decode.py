@@ -43,8 +43,8 @@ def decode_curve(cfg: EagletConfig, draft_dir: Path, k_max: int) -> dict[str, An
         prompts += ids
     if not prompts:
         raise DataError(
-            f"no evaluation prompt left in eval.sets={list(ev.sets)} (all overlap training, or "
-            "eval.prompts_per_set=0); sweep.tau_source=sim measures on the validation shards instead"
+            f"no evaluation prompt left in eval.sets={list(ev.sets)}: every one overlaps training; "
+            "sweep.tau_source=sim measures on the validation shards instead"
         )
     curve = replayed_curve(
         target,
