@@ -21,9 +21,9 @@ _TEMPORARY = ".tmp-"
 
 
 class DiskFullError(EagletError):
-    """A write found no space left on its device; `path` is the file it was writing."""
+    """A write found no space left on its device; `path` is the file it was writing, where known."""
 
-    def __init__(self, message: str, path: Path) -> None:
+    def __init__(self, message: str, path: Path | None = None) -> None:
         super().__init__(message)
         self.path = path
 

@@ -495,7 +495,7 @@ def _full_disk_reported(folder: Path, need: str, what_to_do: str) -> Iterator[No
     except Exception as error:
         if not is_disk_full(error):
             raise
-        path = error.path if isinstance(error, DiskFullError) else folder
+        path = (error.path if isinstance(error, DiskFullError) else None) or folder
         raise DiskFullError(
             f"no space left on device writing {path}: {human_bytes(free_bytes(folder))} free in {folder}, and "
             f"{need}; {what_to_do}",
