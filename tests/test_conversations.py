@@ -106,6 +106,16 @@ def test_missing_file(tmp_path):
         list(read_jsonl_conversations(tmp_path / "nope.jsonl"))
 
 
+def test_a_directory_is_named_a_directory(tmp_path):
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    with pytest.raises(DataError, match=r"chats is a directory.*dataset\.paths") as info:
+        load_conversations([folder])
+    assert "not found" not in str(info.value)
+    with pytest.raises(DataError, match="is a directory"):
+        list(read_jsonl_conversations(folder))
+
+
 def test_bad_arguments(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", record("a-0", "user", "assistant"))
     with pytest.raises(ConfigError, match="no dataset files"):
@@ -164,6 +174,27 @@ def test_prompt_only_data_needs_require_assistant_false(tmp_path):
         load_conversations([path])
     conversations, _ = load_conversations([path], require_assistant=False)
     assert len(conversations) == 2
+
+
+def test_data_without_answers_names_the_config_keys(tmp_path):
+    """Read through the dataset (as the stages do), the messages name config keys, not Python arguments."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", record("p-0", "user"), record("p-1", "user"))
+    read = functools.partial(load_dataset, strict=False, max_conversations=None, held_out_sets={})
+    with pytest.raises(DataError, match=r"extract\.regenerate\.enabled=true"):
+        read(DatasetConfig(name="d", paths=[str(path)]), require_assistant=True)
+    with pytest.raises(ConfigError, match=r"dataset\.max_records_per_file=0"):
+        read(DatasetConfig(name="d", paths=[str(path)], max_records_per_file=0), require_assistant=False)
+    data = write_jsonl(tmp_path / "d.jsonl", record("d-0", "user", "assistant"))
+    with pytest.raises(ConfigError, match=r"extract\.max_conversations=0"):
+        read(DatasetConfig(name="d", paths=[str(data)]), require_assistant=True, max_conversations=0)
+    with pytest.raises(DataError, match=r"extract\.strict=false"):
+        load_dataset(
+            DatasetConfig(name="d", paths=[str(path)]),
+            require_assistant=True,
+            strict=True,
+            max_conversations=None,
+            held_out_sets={},
+        )
 
 
 def test_empty_content_kept_unless_strict(tmp_path):

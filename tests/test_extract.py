@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from volumes import small_volume
 
 from eaglet.config import REPO_ROOT
 from eaglet.errors import ConfigError, DataError
@@ -118,8 +119,45 @@ def test_a_damaged_recorded_shard_is_written_again(compose, tmp_path: Path) -> N
     original = (out / "shard-00001.safetensors").read_bytes()
     (out / "shard-00001.safetensors").write_bytes(original[:100])
     summary = run_extraction(compose(*overrides(data, out)))
-    assert summary.resumed_shards == 1
+    assert summary.resumed_shards == summary.shards - 1
     assert (out / "shard-00001.safetensors").read_bytes() == original
+
+
+def test_a_same_size_damaged_shard_is_found_by_its_checksum_and_written_again(
+    compose, tmp_path: Path
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(6))
+    out = tmp_path / "out"
+    first = run_extraction(compose(*overrides(data, out)))
+    shard = out / "shard-00001.safetensors"
+    original = shard.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0x10
+    shard.write_bytes(bytes(damaged))
+    again = run_extraction(compose(*overrides(data, out)))
+    assert shard.read_bytes() == original
+    assert again.resumed_shards == first.shards - 1
+    ShardReader(out, verify=True)
+
+
+def test_disk_check_counts_the_target_head(compose, tmp_path: Path) -> None:
+    """The shards of two conversations fit in 1 MiB; the target head (24 MiB) does not: refused before work."""
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
+    with small_volume(tmp_path / "vol", 1 << 20) as volume:
+        with pytest.raises(ConfigError, match=r"not enough disk.*target head"):
+            run_extraction(compose(*overrides(data, volume / "out")))
+        assert not list((volume / "out").glob("*.safetensors"))
+
+
+def test_extracted_files_get_the_mode_of_ordinary_files(compose, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
+    old = os.umask(0o022)
+    try:
+        run_extraction(compose(*overrides(data, tmp_path / "out")))
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "out").iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes
 
 
 def test_disk_too_small_is_refused_before_work(

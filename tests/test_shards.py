@@ -270,3 +270,16 @@ def test_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Mo
         atomic_write_json(old, {"new": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
     assert old.read_text() == "old\n"
+
+
+def test_written_files_get_the_mode_of_ordinary_files(tmp_path: Path) -> None:
+    """safetensors writes its files private (0600); every atomic write gets what open() gives: 0666 less the umask."""
+    gen = torch.Generator().manual_seed(6)
+    old = os.umask(0o027)
+    try:
+        write_shard(tmp_path, 0, [make_sequence(0, 3, gen)], torch.bfloat16)
+        atomic_write_json(tmp_path / "manifest.json", {"a": 1})
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {shard_name(0): 0o640, "manifest.json": 0o640}

@@ -1,14 +1,45 @@
-"""Crash-safe file writes: a reader sees either the old file or the complete new one, never a partial one."""
+"""Crash-safe file writes: a reader sees either the old file or the complete new one, never a partial one;
+a write that finds its disk full says so in one message."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from eaglet.errors import EagletError
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# atomic_output writes NAME inside a folder `.NAME.tmp-PID` beside it.
+_TEMPORARY = ".tmp-"
+
+
+class DiskFullError(EagletError):
+    """A write found no space left on its device; `path` is the file it was writing, where known."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` is a full disk (or quota): an OSError, or a library's own error carrying the OS's
+    message, as safetensors' SafetensorError "... No space left on device (os error 28)" does."""
+    if isinstance(error, DiskFullError):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in _DISK_FULL
+    return any(f"(os error {code})" in str(error) for code in _DISK_FULL)
+
+
+def free_bytes(folder: str | Path) -> int:
+    return shutil.disk_usage(folder).free
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -29,19 +60,41 @@ def fsync_file(path: str | Path) -> None:
 def atomic_output(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success fsync it, rename it over `path`, fsync the directory.
 
-    The temporary name lives in the same directory so the rename is atomic (same filesystem). On any error
-    the temporary file is removed and `path` is left untouched.
+    The temporary file sits in a hidden folder of its own beside `path`: the rename stays on one filesystem
+    (atomic), and whatever the writer puts beside the file (safetensors writes a temporary of its own there)
+    goes with the folder. On any error the folder is removed and `path` is left untouched; a full disk is
+    raised as DiskFullError. The file gets the mode of any new file (0o666 less the umask), whoever writes it.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    folder = path.with_name(f".{path.name}{_TEMPORARY}{os.getpid()}")
+    tmp = folder / path.name
     try:
+        folder.mkdir(exist_ok=True)
+        # Created here for its mode: safetensors' save_file puts a private (0o600) file of its own in its place.
+        with open(tmp, "wb"):
+            pass
+        mode = tmp.stat().st_mode & 0o777
         yield tmp
+        os.chmod(tmp, mode)
         fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        if is_disk_full(error) and not isinstance(error, DiskFullError):
+            raise DiskFullError(
+                f"no space left on device writing {path} ({human_bytes(free_bytes(path.parent))} free in "
+                f"{path.parent}); free space there or choose a folder on a larger disk, then run the command again",
+                path,
+            ) from error
         raise
+    shutil.rmtree(folder, ignore_errors=True)
     fsync_dir(path.parent)
+
+
+def remove_temporaries(folder: str | Path) -> None:
+    """Delete what killed writers left in `folder`: atomic_output's temporary folders, never a final name."""
+    for tmp in Path(folder).glob(f".*{_TEMPORARY}*"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

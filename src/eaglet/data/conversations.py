@@ -61,8 +61,7 @@ class LoadStats:
 def read_jsonl_conversations(path: str | Path) -> Iterator[Conversation]:
     """Yield the conversations of one JSONL file in line order; raise DataError on the first bad line."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset file not found: {path}; check the dataset file paths in your config")
+    _check_paths([path])
     with path.open("rb") as handle:
         for line_no, raw in enumerate(handle, start=1):
             if raw.strip():
@@ -101,7 +100,7 @@ def load_conversations(
             if strict:
                 raise DataError(
                     f"{conversation.where}: conversation {conversation.id!r} has no assistant turn; drop it, "
-                    "or load with strict=False to skip such records (require_assistant=False keeps them)"
+                    "or set extract.strict=false to skip such records"
                 )
             stats.skipped_no_assistant += 1
             continue
@@ -109,7 +108,7 @@ def load_conversations(
         if empty and strict:
             raise DataError(
                 f"{conversation.where}: key 'conversations[{empty[0]}].content' is empty; "
-                "fill in or drop the turn, or load with strict=False to keep it"
+                "fill in or drop the turn, or set extract.strict=false to keep it"
             )
         stats.empty_content_turns += len(empty)
         kept.append(conversation)
@@ -126,23 +125,31 @@ def load_conversations(
         )
     if not kept:
         raise DataError(
-            f"none of the {stats.records} records in {names} has an assistant turn; "
-            "load prompt-only data with require_assistant=False"
+            f"none of the {stats.records} records in {names} has an assistant turn to learn from; set "
+            "extract.regenerate.enabled=true to have the target write the answers (in Python: load prompt-only "
+            "data with require_assistant=False)"
         )
     return kept, stats
 
 
 def _check_paths(paths: Sequence[str | Path]) -> list[Path]:
     if not paths:
-        raise ConfigError("no dataset files given; list at least one JSONL file")
+        raise ConfigError("no dataset files given; list at least one JSONL file in dataset.paths")
     files = [Path(path) for path in paths]
+    folders = [str(path) for path in files if path.is_dir()]
+    if folders:
+        raise DataError(
+            f"{', '.join(folders)} is a directory; dataset.paths lists JSONL files: name each file of it there"
+        )
     missing = [str(path) for path in files if not path.is_file()]
     if missing:
-        raise DataError(f"dataset file(s) not found: {', '.join(missing)}; check the dataset file paths")
+        raise DataError(f"dataset file(s) not found: {', '.join(missing)}; check dataset.paths")
     resolved = [path.resolve() for path in files]
     twice = sorted({str(path) for path in files if resolved.count(path.resolve()) > 1})
     if twice:
-        raise ConfigError(f"dataset file(s) listed more than once: {', '.join(twice)}; list each file once")
+        raise ConfigError(
+            f"dataset file(s) listed more than once: {', '.join(twice)}; list each file once in dataset.paths"
+        )
     return files
 
 

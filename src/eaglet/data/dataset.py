@@ -9,7 +9,7 @@ from typing import Any
 from eaglet.config.schema import DatasetConfig
 from eaglet.data.conversations import Conversation, load_conversations
 from eaglet.data.holdout import drop_held_out, eval_set_prompts
-from eaglet.errors import DataError
+from eaglet.errors import ConfigError, DataError
 
 
 def load_dataset(
@@ -26,6 +26,16 @@ def load_dataset(
     `held_out_sets` are evaluation set definitions (eval.set_defs): their prompts are dropped when
     dataset.holdout_eval_sets is on.
     """
+    if dataset.max_records_per_file is not None and dataset.max_records_per_file < 1:
+        raise ConfigError(
+            f"dataset.max_records_per_file={dataset.max_records_per_file}: keep at least 1 record a file, or "
+            "set it to null to read every record"
+        )
+    if max_conversations is not None and max_conversations < 1:
+        raise ConfigError(
+            f"extract.max_conversations={max_conversations} leaves no conversation: set it to at least 1, or to "
+            "null for all"
+        )
     conversations: list[Conversation] = []
     seen: dict[str, str] = {}
     no_assistant = 0
@@ -47,6 +57,11 @@ def load_dataset(
         no_assistant += stats.skipped_no_assistant
     if dataset.holdout_eval_sets:
         conversations, _ = drop_held_out(conversations, eval_set_prompts(held_out_sets))
+        if not conversations:
+            raise DataError(
+                f"every conversation of dataset {dataset.name!r} shares a prompt with an evaluation set, so none "
+                "is left to train on; add other data to dataset.paths, or set dataset.holdout_eval_sets=false"
+            )
     if max_conversations is not None:
         conversations = conversations[:max_conversations]
     return conversations, no_assistant

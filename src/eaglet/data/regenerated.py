@@ -49,12 +49,28 @@ def kept_turns(history: Sequence[Turn], groups: Sequence[Sequence[Turn]]) -> tup
 
 
 def append_finished(sink: BinaryIO, finished: Iterable[tuple[Conversation, Conversation]]) -> None:
-    """Append (source, regenerated) pairs as records and fsync: once this returns they survive a kill."""
-    for source, regenerated in finished:
-        record = {**regenerated.to_json(), "prompt_hash": prompt_hash(source)}
-        sink.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+    """Append (source, regenerated) pairs as records and fsync: once this returns they survive a kill.
+
+    A write that fails (a full disk) is cut off again; a kill may leave a partial record, which read_finished cuts.
+    """
+    payload = b"".join(_record_line(source, regenerated) for source, regenerated in finished)
     sink.flush()
-    os.fsync(sink.fileno())
+    fd = sink.fileno()
+    # Written past the buffer: a buffered writer would retry what failed when closed, after the cut.
+    end = os.fstat(fd).st_size
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, end)
+        raise
+
+
+def _record_line(source: Conversation, regenerated: Conversation) -> bytes:
+    record = {**regenerated.to_json(), "prompt_hash": prompt_hash(source)}
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def read_finished(path: Path, wanted: dict[str, str]) -> dict[str, Conversation]:

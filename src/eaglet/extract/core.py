@@ -2,15 +2,20 @@
 the inputs' identity, and the shard folder from its first manifest to its last (target head, resume, totals).
 
 Crash safety: shards are written atomically and recorded in the manifest one by one; a rerun of the
-same command recomputes the same deterministic plan and continues after the last recorded shard.
+same command recomputes the same deterministic plan, checks every recorded shard against the sha256 the
+manifest holds, rewrites the missing or damaged ones and continues after the last recorded shard. A full
+disk ends in one message (ShardFolder.writing); what was written before it stays complete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,16 @@ from eaglet.data.templating import (
 )
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.job import ExtractionJob
-from eaglet.fsutil import atomic_output, human_bytes
+from eaglet.extract.plan import plan_shards
+from eaglet.fsutil import (
+    DiskFullError,
+    atomic_output,
+    free_bytes,
+    human_bytes,
+    is_disk_full,
+    remove_temporaries,
+    sha256_file,
+)
 from eaglet.shards import (
     MANIFEST_FILE,
     MANIFEST_VERSION,
@@ -41,6 +55,7 @@ from eaglet.shards import (
     TARGET_HEAD_FILE,
     TOKEN_COUNTS_FILE,
     Manifest,
+    ShardInfo,
     bytes_per_token,
     count_tokens,
     read_manifest,
@@ -74,6 +89,26 @@ class TargetIdentity:
     tokenizer_hash: str
     dtype: str
     device: str
+
+
+@dataclass
+class ShardFolder:
+    """A shard folder being written: its manifest, and the bytes this run still had to write when it began."""
+
+    path: Path
+    manifest: Manifest
+    needed: int
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """A write inside that finds the disk full ends in one message: where, free and needed, what to do."""
+        with _full_disk_reported(
+            self.path,
+            f"this extraction needed about {human_bytes(self.needed)} there when it started",
+            "free space, or set extract.output_dir to a folder on a larger disk, then re-run the same command: "
+            "it keeps every complete shard",
+        ):
+            yield
 
 
 @dataclass
@@ -155,43 +190,49 @@ def start_folder(
     samples: list[TokenizedConversation],
     aux_ids: list[int],
     read_head: Callable[[], Mapping[str, torch.Tensor]],
-) -> Manifest:
-    """The folder's manifest for these inputs (resumed), or a new one once the disk is known to hold them;
-    the target head (`read_head`, read only when the folder lacks it) is written beside it.
+) -> ShardFolder:
+    """The folder's manifest for these inputs (resumed), or a new one once the disk is known to hold the
+    whole folder; the target head (`read_head`, read only when the folder lacks it) is written beside it.
 
     Both backends store the last layer's output before the final norm (vLLM's id L is that state too).
     """
     ext, model, out_dir = job.extract, job.model, job.out_dir
     fingerprint = _fingerprint(identity, samples)
     manifest = _prepare_output(out_dir, fingerprint, overwrite=ext.overwrite)
-    itemsize = torch.empty((), dtype=STORED_DTYPES[ext.dtype]).element_size()
-    per_token = bytes_per_token(len(aux_ids), model.hidden_size, itemsize)
-    _check_disk(out_dir, sum(s.num_tokens for s in samples) * per_token)
-    if manifest is None:
-        manifest = Manifest(
-            version=MANIFEST_VERSION,
-            status="in_progress",
-            target=identity["target"],
-            aux_layer_ids=aux_ids,
-            last_layer_id=model.num_layers,
-            last_hidden_pre_norm=True,
-            hidden_size=model.hidden_size,
-            vocab_size=model.vocab_size,
-            dtype=ext.dtype,
-            inputs_fingerprint=fingerprint,
-            settings=identity["settings"],
-        )
-        write_manifest(out_dir, manifest)
-    _write_target_head(out_dir, read_head)
-    return manifest
+    head_path = out_dir / TARGET_HEAD_FILE
+    head = None if head_path.exists() else {name: t.contiguous() for name, t in read_head().items()}
+    sizes = _folder_sizes(job, samples, aux_ids, head)
+    folder = ShardFolder(out_dir, manifest, _check_disk(out_dir, sizes))
+    with folder.writing():
+        if manifest is None:
+            folder.manifest = Manifest(
+                version=MANIFEST_VERSION,
+                status="in_progress",
+                target=identity["target"],
+                aux_layer_ids=aux_ids,
+                last_layer_id=model.num_layers,
+                last_hidden_pre_norm=True,
+                hidden_size=model.hidden_size,
+                vocab_size=model.vocab_size,
+                dtype=ext.dtype,
+                inputs_fingerprint=fingerprint,
+                settings=identity["settings"],
+            )
+            write_manifest(out_dir, folder.manifest)
+        if head is not None:
+            with atomic_output(head_path) as tmp:
+                save_file(head, tmp, metadata={"format": "pt"})
+    return folder
 
 
 def check_resumable(
     plan: list[range], manifest: Manifest, out_dir: Path, *, sequences_may_be_skipped: bool = False
-) -> None:
-    """Recorded shards must sit where the plan puts them; a missing or truncated one is written again.
+) -> list[int]:
+    """The planned shards still to write, in order: every recorded shard whose file is missing or differs
+    from the sha256 the manifest records (written again in its place), then those after the last recorded.
 
-    With `sequences_may_be_skipped` a shard may start after its first planned sequence (that one was skipped).
+    Recorded shards must sit where the plan puts them. With `sequences_may_be_skipped` a shard may start
+    after its first planned sequence (that one was skipped).
     """
     for index, info in enumerate(manifest.shards):
         fits = index < len(plan) and (
@@ -204,11 +245,17 @@ def check_resumable(
                 f"{out_dir / MANIFEST_FILE} records shard {info.file} that does not match this run's plan; "
                 "re-run with extract.overwrite=true"
             )
-        path = out_dir / info.file
-        if not path.exists() or path.stat().st_size != info.bytes:
-            print(f"{path} is missing or damaged: extracting again from shard {index}")
-            del manifest.shards[index:]
-            return
+    # Every recorded shard is hashed, on every rerun: a flipped byte keeps the size, and only its hash tells.
+    # Hashing reads at disk speed (sha256 runs at over 1 GB/s a core), far faster than the target produced
+    # those bytes, so it costs a small fraction of the extraction it guards.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        intact = list(pool.map(lambda info: _intact(out_dir / info.file, info), manifest.shards))
+    damaged = [index for index, ok in enumerate(intact) if not ok]
+    for index in damaged:
+        print(
+            f"{out_dir / shard_name(index)} is missing or damaged (not the recorded sha256): writing it again"
+        )
+    return [*damaged, *range(len(manifest.shards), len(plan))]
 
 
 def finish(
@@ -296,17 +343,24 @@ def _regenerate(
     )
     path = job.data_dir / "regenerated" / f"{name}-{key}.jsonl"
     print(f"regenerating assistant turns with {name} -> {path}")
-    return regenerate_conversations(
-        model,
-        tokenizer,
-        conversations,
-        cfg=rg,
-        out_path=path,
-        max_length=job.extract.max_length,
-        chat_template=template,
-        template_kwargs=chat_template_variables(job.model, rg) if rg.endpoint else None,
-        seed=job.seed,
-    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _full_disk_reported(
+        path.parent,
+        "each regenerated answer is appended there as it finishes",
+        "free space, or set paths.data_dir to a folder on a larger disk, then re-run the same command: "
+        "it keeps every finished answer",
+    ):
+        return regenerate_conversations(
+            model,
+            tokenizer,
+            conversations,
+            cfg=rg,
+            out_path=path,
+            max_length=job.extract.max_length,
+            chat_template=template,
+            template_kwargs=chat_template_variables(job.model, rg) if rg.endpoint else None,
+            seed=job.seed,
+        )
 
 
 def _tokenize(
@@ -351,6 +405,8 @@ def _short_hash(obj: dict) -> str:
 
 def _prepare_output(out_dir: Path, fingerprint: str, *, overwrite: bool) -> Manifest | None:
     """The manifest to resume, or None for a fresh start; refuses a folder made from other inputs."""
+    if out_dir.is_dir():
+        remove_temporaries(out_dir)
     if not out_dir.exists() or not any(out_dir.iterdir()):
         out_dir.mkdir(parents=True, exist_ok=True)
         return None
@@ -369,21 +425,79 @@ def _prepare_output(out_dir: Path, fingerprint: str, *, overwrite: bool) -> Mani
     return None
 
 
-def _check_disk(out_dir: Path, estimate: int) -> None:
-    free = shutil.disk_usage(out_dir).free
-    print(f"estimated shard size: {human_bytes(estimate)} ({human_bytes(free)} free at {out_dir})")
-    if estimate > free:
+# Files take whole blocks, so many small shards take more than their bytes; headers and manifest entries are
+# rounded up generously.
+_BLOCK = 4096
+_HEADER = 1024
+_MANIFEST_BASE, _MANIFEST_PER_SHARD = 4096, 512
+
+
+def _blocks(size: int) -> int:
+    return -(-size // _BLOCK) * _BLOCK
+
+
+def _folder_sizes(
+    job: ExtractionJob,
+    samples: list[TokenizedConversation],
+    aux_ids: list[int],
+    head: Mapping[str, torch.Tensor] | None,
+) -> dict[str, int]:
+    """Bytes each part of the complete folder takes on disk; `head` is None when the folder holds it."""
+    ext, model, out_dir = job.extract, job.model, job.out_dir
+    itemsize = torch.empty((), dtype=STORED_DTYPES[ext.dtype]).element_size()
+    per_token = bytes_per_token(len(aux_ids), model.hidden_size, itemsize)
+    plan = plan_shards([s.num_tokens for s in samples], ext.shard_tokens)
+    shards = [sum(samples[i].num_tokens for i in r) * per_token + _HEADER for r in plan]
+    if head is None:
+        head_bytes = (out_dir / TARGET_HEAD_FILE).stat().st_size
+    else:
+        head_bytes = sum(t.numel() * t.element_size() for t in head.values()) + _HEADER
+    return {
+        "shards": sum(_blocks(size) for size in shards),
+        "target head": _blocks(head_bytes),
+        "token counts": _blocks(8 * model.vocab_size + _HEADER),
+        # Replaced atomically after every shard: the old and the new copy side by side for a moment.
+        "manifest": 2 * _blocks(_MANIFEST_BASE + _MANIFEST_PER_SHARD * len(plan)),
+    }
+
+
+def _check_disk(out_dir: Path, sizes: Mapping[str, int]) -> int:
+    """The bytes still to write (the whole folder less the shards and head already there); refuses to start
+    when the disk has less free."""
+    present = sum(
+        _blocks(entry.stat().st_size)
+        for entry in os.scandir(out_dir)
+        if entry.is_file() and (entry.name.startswith("shard-") or entry.name == TARGET_HEAD_FILE)
+    )
+    needed = max(0, sum(sizes.values()) - present)
+    free = free_bytes(out_dir)
+    parts = ", ".join(f"{name} {human_bytes(size)}" for name, size in sizes.items())
+    print(f"disk: {human_bytes(needed)} still to write ({parts}); {human_bytes(free)} free at {out_dir}")
+    if needed > free:
         raise ConfigError(
-            f"not enough disk for the shards: need about {human_bytes(estimate)} at {out_dir}, {human_bytes(free)} free; "
-            "free space, point extract.output_dir at a larger disk, or lower dataset.max_records_per_file"
+            f"not enough disk at {out_dir}: this extraction needs about {human_bytes(needed)} more there "
+            f"({parts} in all), {human_bytes(free)} free; free space, point extract.output_dir at a larger disk, "
+            "or extract less (dataset.max_records_per_file, extract.max_conversations)"
         )
+    return needed
 
 
-def _write_target_head(out_dir: Path, read_head: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-    """The target's embedding, final norm and lm_head: training needs them, not the whole target."""
-    path = out_dir / TARGET_HEAD_FILE
-    if path.exists():
-        return
-    tensors = {name: t.contiguous() for name, t in read_head().items()}
-    with atomic_output(path) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+def _intact(path: Path, info: ShardInfo) -> bool:
+    return path.is_file() and path.stat().st_size == info.bytes and sha256_file(path) == info.sha256
+
+
+@contextmanager
+def _full_disk_reported(folder: Path, need: str, what_to_do: str) -> Iterator[None]:
+    """A write inside that finds the disk full ends in one DiskFullError naming the file, `folder`'s free
+    space, `need` and `what_to_do`."""
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        path = (error.path if isinstance(error, DiskFullError) else None) or folder
+        raise DiskFullError(
+            f"no space left on device writing {path}: {human_bytes(free_bytes(folder))} free in {folder}, and "
+            f"{need}; {what_to_do}",
+            path,
+        ) from error

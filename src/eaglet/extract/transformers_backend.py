@@ -55,7 +55,7 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
             else None
         ),
     }
-    manifest = core.start_folder(
+    folder = core.start_folder(
         job,
         core.inputs_identity(job.model, identity, template, settings),
         samples.tokenized,
@@ -64,17 +64,18 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
     )
 
     start = time.perf_counter()
-    processed, resumed = _write_shards(job, target, samples.tokenized, aux_ids, manifest)
-    return core.finish(
-        job,
-        manifest,
-        samples.tokenized,
-        skipped=samples.skipped,
-        seconds=time.perf_counter() - start,
-        processed_tokens=processed,
-        resumed_shards=resumed,
-        regenerated=samples.regenerated,
-    )
+    with folder.writing():
+        processed, resumed = _write_shards(job, target, samples.tokenized, aux_ids, folder.manifest)
+        return core.finish(
+            job,
+            folder.manifest,
+            samples.tokenized,
+            skipped=samples.skipped,
+            seconds=time.perf_counter() - start,
+            processed_tokens=processed,
+            resumed_shards=resumed,
+            regenerated=samples.regenerated,
+        )
 
 
 def _write_shards(
@@ -84,22 +85,21 @@ def _write_shards(
     aux_ids: list[int],
     manifest: Manifest,
 ) -> tuple[int, int]:
-    """Write every planned shard the manifest does not record yet; returns (tokens processed, shards kept)."""
+    """Write every planned shard the manifest does not record intact; returns (tokens processed, shards kept)."""
     ext, out_dir = job.extract, job.out_dir
     lengths = [s.num_tokens for s in samples]
     plan = plan_shards(lengths, ext.shard_tokens)
-    core.check_resumable(plan, manifest, out_dir)
-    kept = len(manifest.shards)
+    todo = core.check_resumable(plan, manifest, out_dir)
+    kept = len(plan) - len(todo)
     dtype = STORED_DTYPES[ext.dtype]
-    todo = plan[len(manifest.shards) :]
-    total = sum(lengths[i] for r in todo for i in r)
+    total = sum(lengths[i] for index in todo for i in plan[index])
     processed = 0
     start = time.perf_counter()
     with (
         tqdm(total=total, desc="extract", unit="tok", unit_scale=True) as bar,
         ShardWriterPool(out_dir, manifest, dtype) as writer,
     ):
-        for index in range(len(manifest.shards), len(plan)):
+        for index in todo:
             features: dict[int, SequenceFeatures] = {}
             for batch in plan_batches(lengths, plan[index], ext.batch_tokens):
                 features.update(forward_batch(target, samples, batch, aux_ids, dtype))

@@ -1,7 +1,8 @@
 """Shard writing off the critical path: threads serialise, hash and fsync while the target computes.
 
-Shards are committed to the manifest strictly in order, each only once it is durable, so a killed run
-still resumes after the last recorded shard (a written but unrecorded shard is simply written again).
+Shards are committed to the manifest in the order they were submitted, each only once it is durable, so a
+killed run still resumes after the last recorded shard (a written but unrecorded shard is simply written
+again). A shard written again in place of a damaged one replaces its own entry.
 """
 
 from __future__ import annotations
@@ -22,16 +23,23 @@ class ShardWriterPool:
     def __init__(self, out_dir: Path, manifest: Manifest, dtype: torch.dtype, workers: int = 2) -> None:
         self.out_dir, self.manifest, self.dtype, self.workers = out_dir, manifest, dtype, workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-writer")
-        self._pending: deque[Future[ShardInfo]] = deque()
+        self._pending: deque[tuple[int, Future[ShardInfo]]] = deque()
 
     def submit(self, index: int, sequences: Sequence[SequenceFeatures]) -> None:
+        """Write shard `index`: a recorded one again, or the one after the last recorded."""
         while len(self._pending) >= self.workers:
             self._commit_oldest()
-        self._pending.append(self._pool.submit(write_shard, self.out_dir, index, sequences, self.dtype))
+        future = self._pool.submit(write_shard, self.out_dir, index, sequences, self.dtype)
+        self._pending.append((index, future))
 
     def _commit_oldest(self) -> None:
-        info = self._pending.popleft().result()  # re-raises a writer's error here, in the caller
-        self.manifest.shards.append(info)
+        index, future = self._pending.popleft()
+        info = future.result()  # re-raises a writer's error here, in the caller
+        shards = self.manifest.shards
+        if index < len(shards):
+            shards[index] = info
+        else:
+            shards.append(info)
         write_manifest(self.out_dir, self.manifest)
 
     def close(self) -> None:

@@ -115,36 +115,37 @@ def _run(
         "check_tokenization": ext.vllm.check_tokenization,
         "regenerate": dict(ext.regenerate) | {"seed": job.seed} if ext.regenerate.enabled else None,
     }
-    manifest = core.start_folder(
+    folder = core.start_folder(
         job,
         core.inputs_identity(job.model, identity, template, settings),
         samples.tokenized,
         aux_ids,
         read_head=lambda: checkpoint.read_target_head(plan.model, job.model),
     )
+    manifest = folder.manifest
 
     print(f"hidden states from {source.description}")
     shards = plan_shards([s.num_tokens for s in samples.tokenized], ext.shard_tokens)
-    core.check_resumable(shards, manifest, out_dir, sequences_may_be_skipped=True)
-    resumed = len(manifest.shards)
+    todo = core.check_resumable(shards, manifest, out_dir, sequences_may_be_skipped=True)
     start = time.perf_counter()
     render = functools.partial(_rendered, tokenizer, template)
-    processed = _write_shards(job, source, layout, samples, render, shards, manifest)
-    seconds = time.perf_counter() - start
+    with folder.writing():
+        processed = _write_shards(job, source, layout, samples, render, shards, todo, manifest)
+        seconds = time.perf_counter() - start
 
-    written = _written_sample_ids(out_dir, manifest)
-    mismatched = len(samples.tokenized) - len(written)
-    summary = core.finish(
-        job,
-        manifest,
-        [samples.tokenized[i] for i in written],
-        skipped=samples.skipped + mismatched,
-        seconds=seconds,
-        processed_tokens=processed,
-        resumed_shards=resumed,
-        regenerated=samples.regenerated,
-        extra_totals={"tokenization_mismatches": mismatched},
-    )
+        written = _written_sample_ids(out_dir, manifest)
+        mismatched = len(samples.tokenized) - len(written)
+        summary = core.finish(
+            job,
+            manifest,
+            [samples.tokenized[i] for i in written],
+            skipped=samples.skipped + mismatched,
+            seconds=seconds,
+            processed_tokens=processed,
+            resumed_shards=len(shards) - len(todo),
+            regenerated=samples.regenerated,
+            extra_totals={"tokenization_mismatches": mismatched},
+        )
     if mismatched:
         print(f"{mismatched} sequences skipped: vLLM tokenizes them differently from eaglet (listed above)")
     return summary
@@ -157,20 +158,20 @@ def _write_shards(
     samples: core.Samples,
     render: Callable[[Conversation], str],
     shards: list[range],
+    todo: list[int],
     manifest: Manifest,
 ) -> int:
-    """Write every planned shard the manifest does not record yet; returns the tokens sent to vLLM."""
+    """Write the planned shards `todo` names; returns the tokens sent to vLLM."""
     ext, out_dir = job.extract, job.out_dir
     tokenized, conversations = samples.tokenized, samples.conversations
     dtype = STORED_DTYPES[ext.dtype]
-    todo = shards[len(manifest.shards) :]
-    total = sum(tokenized[i].num_tokens for r in todo for i in r)
+    total = sum(tokenized[i].num_tokens for index in todo for i in shards[index])
     processed = 0
     with (
         tqdm(total=total, desc="extract (vLLM)", unit="tok", unit_scale=True) as bar,
         ShardWriterPool(out_dir, manifest, dtype) as writer,
     ):
-        for index in range(len(manifest.shards), len(shards)):
+        for index in todo:
             ids = list(shards[index])
             if ext.vllm.check_tokenization:
                 ids = _agreeing(source, samples, render, ids, strict=ext.strict)
