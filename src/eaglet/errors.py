@@ -11,3 +11,7 @@ class ConfigError(EagletError):
 
 class DataError(EagletError):
     """Input data (JSONL, shards, manifests) is malformed or inconsistent."""
+
+
+class DiskFullError(EagletError):
+    """A write found no space left on its disk; nothing was written under the final name."""

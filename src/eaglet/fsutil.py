@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -44,6 +45,24 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
+def remove_stale_temporaries(folder: str | Path) -> None:
+    """Remove the temporary files that `atomic_output` left in `folder` when its process was killed mid-write."""
+    for tmp in Path(folder).glob(".*.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _running(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
@@ -60,6 +79,11 @@ def sha256_file(path: str | Path, chunk_size: int = 1 << 22) -> str:
         while chunk := f.read(chunk_size):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An OSError saying the disk (or the user's quota on it) has no space left."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def human_bytes(n: float) -> str:
