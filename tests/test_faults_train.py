@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from test_export import AUX, _config, _head
-from test_train import shards, train_overrides, train_process, val_curve  # noqa: F401  (shards: a fixture)
+from test_train import (  # noqa: F401  (shards: a fixture)
+    ended_as_asked,
+    shards,
+    start_train,
+    train_overrides,
+    train_process,
+    val_curve,
+)
 from volumes import files_under, small_volume
 
 import eaglet.train.run
@@ -62,15 +69,17 @@ def test_training_killed_anywhere_resumes_to_the_same_head(
     tmp_path: Path,
     model_cache: Path,
 ) -> None:
-    train_process(shards, tmp_path / "whole", model_cache, *SCENARIO)
-    whole = RunDir.newest(tmp_path / "whole")
-    assert best_name(whole) == "best-step6.ckpt"
-
+    uninterrupted = start_train(
+        shards, tmp_path / "whole", model_cache, *SCENARIO
+    )  # alongside: half the wait
     out = tmp_path / "killed"
     train_process(shards, out, model_cache, *SCENARIO, kill_at=KILLS[0])
     for kill_at in KILLS[1:]:
         train_process(shards, out, model_cache, *SCENARIO, "ckpt_path=last", kill_at=kill_at)
     train_process(shards, out, model_cache, *SCENARIO, "ckpt_path=last")
+    ended_as_asked(uninterrupted)
+    whole = RunDir.newest(tmp_path / "whole")
+    assert best_name(whole) == "best-step6.ckpt"
 
     run = RunDir.newest(out)
     assert [p.name for p in (out / "train").iterdir()] == [run.path.name]

@@ -316,14 +316,25 @@ runpy.run_path({TRAIN_PY!r}, run_name="__main__")
 """
 
 
-def train_process(shards: Path, out: Path, cache: Path, *extra: str, kill_at: str | None = None) -> None:
+def start_train(
+    shards: Path, out: Path, cache: Path, *extra: str, kill_at: str | None = None
+) -> subprocess.Popen:
     """train.py with train_overrides + `extra`, its runs in out/train/<time>; killed at `kill_at` when given."""
     program = ["-c", KILLABLE_TRAIN] if kill_at else [TRAIN_PY]
     cmd = [sys.executable, *program, *train_overrides(shards, out, *extra), f"paths.cache_dir={cache}"]
     env = {**os.environ, "EAGLET_KILL_AT": kill_at or ""}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def ended_as_asked(proc: subprocess.Popen, kill_at: str | None = None) -> None:
+    """Wait for a start_train process: killed where asked, else successful."""
+    _, stderr = proc.communicate()
     want = -signal.SIGKILL if kill_at else 0
-    assert proc.returncode == want, f"killed at {kill_at}: rc {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == want, f"killed at {kill_at}: rc {proc.returncode}\n{stderr[-3000:]}"
+
+
+def train_process(shards: Path, out: Path, cache: Path, *extra: str, kill_at: str | None = None) -> None:
+    ended_as_asked(start_train(shards, out, cache, *extra, kill_at=kill_at), kill_at)
 
 
 def val_curve(run: RunDir) -> dict[int, str]:
