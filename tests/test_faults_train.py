@@ -132,7 +132,7 @@ def test_full_disk_at_a_checkpoint_keeps_the_previous_last_ckpt(
             )
         message = str(failed.value)
         assert f"disk of {run.checkpoints_dir} while saving last.ckpt" in message
-        assert "python train.py ckpt_path=last" in message
+        assert "train.py command with ckpt_path=last added" in message
         assert saved == ["last.ckpt", "best-step2.ckpt"]
         assert files_under(run.checkpoints_dir).keys() == {"last.ckpt", "best-step2.ckpt"}
         assert torch.load(run.last_checkpoint, weights_only=True)["global_step"] == 1
@@ -166,7 +166,7 @@ def test_full_disk_at_the_export_leaves_no_head_and_says_how_to_finish(
             run_training(compose(*overrides), run.path)
         message = str(failed.value)
         assert f"disk of {run.draft_dir} while exporting the head" in message
-        assert "python train.py ckpt_path=last" in message
+        assert "train.py command with ckpt_path=last added" in message
         assert files_under(run.draft_dir) == {}
 
         monkeypatch.undo()

@@ -89,14 +89,13 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         due = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
         if due and _validation_follows(trainer):
-            self._defer_save_until_validation = (
-                True  # ModelCheckpoint's own deferral: saved at validation end
-            )
+            # ModelCheckpoint's own deferral: on_validation_end saves it.
+            self._defer_save_until_validation = True
             return
         super().on_train_batch_end(trainer, *args)
 
 
 def _validation_follows(trainer: L.Trainer) -> bool:
-    """Whether the fit loop validates right after the batch that just ended: the loop's own test (Lightning 2.x)."""
+    """Whether the fit loop validates right after the batch that just ended (its own test, Lightning 2.x)."""
     loop = trainer.fit_loop
     return loop.epoch_loop._should_check_val_fx(loop._data_fetcher)

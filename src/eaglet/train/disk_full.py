@@ -11,9 +11,9 @@ from eaglet.fsutil import is_disk_full
 
 
 def disk_full(folder: Path, doing: str, last_checkpoint: Path) -> DiskFullError:
-    """The message of a write that found no space; every write of a run is atomic, so nothing is half-written."""
+    """The message of a write that found no space (checkpoints, head and report are replaced atomically)."""
     then = (
-        "resume with python train.py ckpt_path=last (it continues in the same run folder)"
+        "run the same train.py command with ckpt_path=last added (it continues in this run's folder)"
         if last_checkpoint.is_file()
         else "run again"
     )

@@ -118,6 +118,10 @@ def run_folder(cfg: EagletConfig, new_run: Path) -> tuple[RunDir, str | None]:
             run.discard_if_unused()  # made for this command (Hydra's), now left empty: gone before any kill
             run = resumed
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        # ShardDataModule saves and restores the sampler's position itself; Lightning looks at the loader only.
+        warnings.filterwarnings(
+            "ignore", message="You're resuming from a checkpoint that ended before the epoch"
+        )
     for folder in (run.path, run.checkpoints_dir, run.draft_dir):
         remove_stale_temporaries(folder)  # of a run killed while writing there
     return run, ckpt_path
