@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from eaglet.config import REPO_ROOT
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.stage import run_extraction
+from eaglet.run_dir import RunDir
 from eaglet.train.run import resolve_ckpt_path, run_training
 
 SHARED = REPO_ROOT.parent / "shared" / "data"
@@ -128,6 +129,56 @@ def test_missing_shards_say_to_extract(compose, tmp_path: Path) -> None:
         run_training(compose(*train_overrides(tmp_path / "none", tmp_path)), tmp_path / "run")
 
 
+class RunsCode:
+    """Pickled as a call of os.system: what a malicious checkpoint holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [("runs code", "is not a plain-weights checkpoint: it names Python objects"), ("cut", "not a readable")],
+)
+def test_a_checkpoint_that_is_not_plain_weights_is_refused_before_training(
+    compose, shards: Path, tmp_path: Path, content: str, match: str
+) -> None:
+    marker, bad = tmp_path / "code-ran", tmp_path / "bad.ckpt"
+    torch.save({"state_dict": {}, "payload": RunsCode(marker)}, bad)
+    if content == "cut":
+        bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(DataError, match=match) as refused:
+        run_training(compose(*train_overrides(shards, tmp_path), f"ckpt_path={bad}"), tmp_path / "run")
+    assert str(bad) in str(refused.value) and "ckpt_path" in str(refused.value)
+    assert not marker.exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_no_run_got_anywhere_in_is_discarded(tmp_path: Path) -> None:
+    def started(name: str, *extra: str) -> RunDir:
+        run = RunDir(tmp_path / name)
+        for path in (".hydra/config.yaml", "train.log", "hparams.yaml", *extra):
+            (run.path / path).parent.mkdir(parents=True, exist_ok=True)
+            (run.path / path).write_text("x\n")
+        run.metrics_file.write_text("epoch,step\n")
+        return run
+
+    started("failed").discard_if_unused()
+    assert not (tmp_path / "failed").exists()
+    for kept in (started("checkpointed", "checkpoints/last.ckpt"), started("logged")):
+        if kept.path.name == "logged":
+            kept.metrics_file.write_text("epoch,step\n0,0\n")
+        before = sorted(kept.path.rglob("*"))
+        kept.discard_if_unused()
+        assert sorted(kept.path.rglob("*")) == before
+    foreign = started("foreign", "notes.txt")
+    foreign.discard_if_unused()
+    assert [p.name for p in foreign.path.iterdir()] == ["notes.txt"]
+
+
 def test_resolve_last_checkpoint(tmp_path: Path) -> None:
     for name, age in (("a", 10), ("b", 0)):
         ckpt = tmp_path / "train" / name / "checkpoints" / "last.ckpt"
@@ -173,11 +224,147 @@ def test_killed_training_resumes_to_the_same_weights(shards: Path, tmp_path: Pat
     subprocess.run(
         train_cmd(shards, resumed, model_cache, f"ckpt_path={last}"), check=True, env=env, capture_output=True
     )
+    assert not (resumed / "run").exists()  # the resumed run continued in the folder of its checkpoint
     expected = torch.load(whole / "run" / "checkpoints" / "last.ckpt", weights_only=True)
-    got = torch.load(resumed / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    got = torch.load(last, weights_only=True)
     assert got["global_step"] == expected["global_step"] == 10
     for name, tensor in expected["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.e2e
+def test_a_run_that_fails_before_training_leaves_no_folder(
+    shards: Path, tmp_path: Path, model_cache: Path
+) -> None:
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"payload": RunsCode(tmp_path / "code-ran")}, evil)
+    for extra in ("trainer.ttt_steps=0", f"extract.output_dir={tmp_path / 'none'}", f"ckpt_path={evil}"):
+        cmd = [
+            sys.executable,
+            TRAIN_PY,
+            *train_overrides(shards, tmp_path, extra),
+            f"paths.cache_dir={model_cache}",
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert list((tmp_path / "train").iterdir()) == [], extra
+    assert not (tmp_path / "code-ran").exists()
+
+
+# A tiny stand-in for the embedded default's 24 steps at lr 3e-2: its best validation (step 8) comes before the
+# last checkpoints, and no later one beats it.
+RESUME_SCENARIO = (
+    "trainer.max_steps=12",
+    "trainer.global_batch_tokens=512",
+    "trainer.val_every_n_steps=2",
+    "trainer.checkpoint_every_n_steps=2",
+    "trainer.lr=3e-2",
+    "draft.vocab_size=1024",
+)
+TRAIN_PY = str(REPO_ROOT / "train.py")
+# train.py in a process that kills itself with SIGKILL (no cleanup, as kill -9) where EAGLET_KILL_AT says:
+# <Lightning callback hook>@<n> once n optimizer steps are done ("on_validation_start@4": after step 4, before
+# its validation), final@0 in the validation of the selected checkpoint after training, or save@<n> just
+# before this process's n-th checkpoint file would replace its final name.
+KILLABLE_TRAIN = f"""
+import os, runpy, signal, sys
+import lightning.pytorch as pl
+
+point, n = os.environ["EAGLET_KILL_AT"].split("@")
+n = int(n)
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAt(pl.Callback):
+    pass
+
+
+if point == "save":
+    replace, saves = os.replace, []
+
+    def replace_or_die(src, dst):
+        if str(dst).endswith(".ckpt"):
+            saves.append(dst)
+            if len(saves) == n:
+                die()
+        replace(src, dst)
+
+    os.replace = replace_or_die
+elif point == "final":
+    KillAt.on_validation_start = lambda self, trainer, module: trainer.state.fn == "validate" and die()
+else:
+
+    def hook(self, trainer, *args):
+        if trainer.global_step == n and trainer.state.fn == "fit":
+            die()
+
+    setattr(KillAt, point, hook)
+init = pl.Trainer.__init__
+
+
+def init_with_kill(self, *args, callbacks=(), **kwargs):
+    init(self, *args, callbacks=[*callbacks, KillAt()], **kwargs)
+
+
+pl.Trainer.__init__ = init_with_kill
+sys.argv = [{TRAIN_PY!r}, *sys.argv[1:]]
+runpy.run_path({TRAIN_PY!r}, run_name="__main__")
+"""
+
+
+def start_train(
+    shards: Path, out: Path, cache: Path, *extra: str, kill_at: str | None = None
+) -> subprocess.Popen:
+    """train.py with train_overrides + `extra`, its runs in out/train/<time>; killed at `kill_at` when given."""
+    program = ["-c", KILLABLE_TRAIN] if kill_at else [TRAIN_PY]
+    cmd = [sys.executable, *program, *train_overrides(shards, out, *extra), f"paths.cache_dir={cache}"]
+    env = {**os.environ, "EAGLET_KILL_AT": kill_at or ""}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def ended_as_asked(proc: subprocess.Popen, kill_at: str | None = None) -> None:
+    """Wait for a start_train process: killed where asked, else successful."""
+    _, stderr = proc.communicate()
+    want = -signal.SIGKILL if kill_at else 0
+    assert proc.returncode == want, f"killed at {kill_at}: rc {proc.returncode}\n{stderr[-3000:]}"
+
+
+def train_process(shards: Path, out: Path, cache: Path, *extra: str, kill_at: str | None = None) -> None:
+    ended_as_asked(start_train(shards, out, cache, *extra, kill_at=kill_at), kill_at)
+
+
+def val_curve(run: RunDir) -> dict[int, str]:
+    return {
+        int(r["step"]): r["val/tau_sim"] for r in csv.DictReader(open(run.metrics_file)) if r["val/tau_sim"]
+    }
+
+
+@pytest.mark.e2e
+def test_resumed_run_continues_in_its_folder_and_selects_the_same_head(
+    shards: Path, tmp_path: Path, model_cache: Path
+) -> None:
+    train_process(shards, tmp_path / "whole", model_cache, *RESUME_SCENARIO)
+    whole = RunDir.newest(tmp_path / "whole")
+    best = Path(json.loads(whole.report_file.read_text())["best_checkpoint"]).name
+    assert best == "best-step8.ckpt", "the scenario needs its best validation before the kill after step 10"
+
+    out = tmp_path / "killed"
+    # Killed once after step 10 and its last.ckpt, as in the issue (step 20 of 24 there).
+    train_process(shards, out, model_cache, *RESUME_SCENARIO, kill_at="on_train_batch_start@10")
+    train_process(shards, out, model_cache, *RESUME_SCENARIO, "ckpt_path=last")
+    resumed = RunDir.newest(out)
+    assert Path(json.loads(resumed.report_file.read_text())["best_checkpoint"]).name == best
+    assert (resumed.draft_dir / "model.safetensors").read_bytes() == (
+        whole.draft_dir / "model.safetensors"
+    ).read_bytes()
+    # One folder: checkpoints, metrics, report and head all continued where the killed run had them.
+    assert [p.name for p in (out / "train").iterdir()] == [resumed.path.name]
+    assert sorted(p.name for p in resumed.checkpoints_dir.iterdir()) == [best, "last.ckpt"]
+    assert val_curve(resumed) == val_curve(whole)
 
 
 @pytest.mark.e2e

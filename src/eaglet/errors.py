@@ -1,5 +1,9 @@
 """Errors a user can act on: each says what was wrong, where, and what to do."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 
 class EagletError(Exception):
     """Base class of every error eaglet reports to a user (printed without a traceback)."""
@@ -11,3 +15,12 @@ class ConfigError(EagletError):
 
 class DataError(EagletError):
     """Input data (JSONL, shards, manifests) is malformed or inconsistent."""
+
+
+class DiskFullError(EagletError):
+    """A write found no space left on its disk; nothing was written under the final name. `path` is the file
+    it was writing, where known."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path

@@ -13,19 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from eaglet.errors import EagletError
+from eaglet.errors import DiskFullError
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # atomic_output writes NAME inside a folder `.NAME.tmp-PID` beside it.
 _TEMPORARY = ".tmp-"
-
-
-class DiskFullError(EagletError):
-    """A write found no space left on its device; `path` is the file it was writing, where known."""
-
-    def __init__(self, message: str, path: Path | None = None) -> None:
-        super().__init__(message)
-        self.path = path
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -95,6 +87,28 @@ def remove_temporaries(folder: str | Path) -> None:
     """Delete what killed writers left in `folder`: atomic_output's temporary folders, never a final name."""
     for tmp in Path(folder).glob(f".*{_TEMPORARY}*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_temporaries(folder: str | Path) -> None:
+    """Delete what `atomic_output` left in `folder` when its process was killed mid-write (the writer's
+    process id ends the name; a live writer's temporary is left alone)."""
+    for tmp in Path(folder).glob(f".*{_TEMPORARY}*"):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _running(int(pid)):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

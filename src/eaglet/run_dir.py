@@ -3,14 +3,19 @@
 outputs/train/<time>/        a run (hydra.run.dir of train.py, under paths.output_dir)
   draft/                     the head in the EAGLE format (config.json + model.safetensors)
   checkpoints/               the selected best-step*.ckpt and last.ckpt
+  metrics.csv                the logged metrics (a resumed run continues it)
   report.json                the training summary
   eval.json                  the results of `python evaluate.py`
   export-<format>/           the default folder of `python export.py`
   .hydra/config.yaml         the composed config the run was trained with
+
+A run resumed from one of its checkpoints (ckpt_path=...) continues in this folder; the folder Hydra made for
+the resuming command is left empty and removed, as is the folder of a run that failed before it trained.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,7 @@ class RunDir:
     DRAFT_DIR = "draft"
     CHECKPOINTS_DIR = "checkpoints"
     LAST_CHECKPOINT = "last.ckpt"  # Lightning's name for ModelCheckpoint(save_last=True)
+    METRICS_FILE = "metrics.csv"  # Lightning's CSVLogger, saving into the run folder itself
     REPORT_FILE = "report.json"
     RESULTS_FILE = "eval.json"
     SETTINGS_FILE = ".hydra/config.yaml"
@@ -60,6 +66,10 @@ class RunDir:
     def settings_file(self) -> Path:
         return self.path / self.SETTINGS_FILE
 
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / self.METRICS_FILE
+
     def export_dir(self, fmt: str) -> Path:
         return self.path / f"export-{fmt}"
 
@@ -72,6 +82,44 @@ class RunDir:
         if not self.settings_file.is_file():
             return None
         return OmegaConf.load(self.settings_file)
+
+    def has_progress(self) -> bool:
+        """Whether a run got anywhere here: a checkpoint, a head, or a logged metric."""
+        if self.has_head() or self.report_file.is_file():
+            return True
+        if self.checkpoints_dir.is_dir() and any(self.checkpoints_dir.iterdir()):
+            return True
+        if not self.metrics_file.is_file():
+            return False
+        with open(self.metrics_file) as f:
+            return len(f.readlines(1 << 16)) > 1  # a header and at least one row
+
+    def discard_if_unused(self) -> None:
+        """Remove the folder when no run got anywhere in it: only what every start writes is there.
+
+        Only those start files are removed (Hydra's config and log, Lightning's hparams and empty logs, the
+        W&B record); anything else keeps the folder.
+        """
+        if not self.path.is_dir() or self.has_progress():
+            return
+        for entry in self.path.iterdir():
+            if entry.name in _START_FILES or entry.name.startswith(_START_PREFIXES) or entry.suffix == ".log":
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        try:
+            self.path.rmdir()
+        except OSError:  # something else is there (or another rank removed it first)
+            pass
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: str | Path) -> RunDir | None:
+        """The run whose checkpoints folder holds `checkpoint`; None for a checkpoint kept elsewhere."""
+        checkpoint = Path(checkpoint).resolve()
+        if checkpoint.parent.name != cls.CHECKPOINTS_DIR:
+            return None
+        return cls(checkpoint.parent.parent)
 
     @classmethod
     def newest(cls, output_dir: Path, *, key: str) -> RunDir:
@@ -100,6 +148,12 @@ class RunDir:
                 "ckpt_path=last)"
             )
         return run
+
+
+# What a start writes before any training: Hydra's config (.hydra; .pl_hydra_<rank> of DDP children) and log
+# (<job>.log), Lightning's hparams.yaml and metrics.csv header, a W&B record, an empty checkpoints folder.
+_START_FILES = {".hydra", "hparams.yaml", RunDir.METRICS_FILE, "wandb", RunDir.CHECKPOINTS_DIR}
+_START_PREFIXES = (".pl_hydra",)
 
 
 def _newest(output_dir: Path, inside: str) -> RunDir | None:

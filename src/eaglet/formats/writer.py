@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from eaglet.config.schema import DraftConfig
-from eaglet.errors import ConfigError, DataError
+from eaglet.errors import ConfigError, DataError, DiskFullError
 from eaglet.formats.contract import check_eagle_folder, check_speculators_folder
 from eaglet.formats.eagle import eagle_config, expected_shapes
 from eaglet.formats.folder import CONFIG_FILE, WEIGHTS_FILE
@@ -26,7 +26,7 @@ from eaglet.formats.speculators import (
     speculators_name,
     uses_draft_vocab,
 )
-from eaglet.fsutil import atomic_output, atomic_write_bytes
+from eaglet.fsutil import atomic_output, human_bytes, is_disk_full
 from eaglet.model.draft_head import Eagle3DraftHead
 
 
@@ -73,10 +73,24 @@ def _write_folder(
             f"refusing to export a head that breaks the {contract} contract: {'; '.join(problems)}"
         )
     tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in state.items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_output(out_dir / WEIGHTS_FILE) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-    atomic_write_bytes(out_dir / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+    # In memory first: safetensors' own file writer reports a full disk as an opaque SafetensorError.
+    weights = save(tensors, metadata={"format": "pt"})
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # Both files are written whole before either replaces an earlier one.
+        with (
+            atomic_output(out_dir / CONFIG_FILE) as config_tmp,
+            atomic_output(out_dir / WEIGHTS_FILE) as weights_tmp,
+        ):
+            weights_tmp.write_bytes(weights)
+            config_tmp.write_bytes((json.dumps(config, indent=2) + "\n").encode())
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise DiskFullError(
+            f"no space left on the disk of {out_dir} while writing the head ({human_bytes(len(weights))}); "
+            "nothing there was replaced. Free space on that disk, or export to another folder"
+        ) from None
 
 
 def export_eagle(

@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from eaglet.config.plain import plain_config
 from eaglet.config.schema import DraftConfig, EagletConfig, ModelConfig, TrainerConfig
-from eaglet.errors import DataError
+from eaglet.errors import DataError, DiskFullError
 from eaglet.formats.writer import export_eagle
-from eaglet.fsutil import atomic_write_json
+from eaglet.fsutil import atomic_write_json, is_disk_full, remove_stale_temporaries
 from eaglet.run_dir import RunDir, resolve_ckpt_path
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE, shard_dir
 from eaglet.target_model.capture import resolve_aux_layer_ids
+from eaglet.train.checkpoints import CheckpointFiles, StepCheckpoint, check_checkpoint, read_checkpoint
 from eaglet.train.datamodule import ShardDataModule
+from eaglet.train.disk_full import disk_full, said_if_disk_full
 from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.strategy import build_strategy
@@ -100,15 +102,42 @@ def build_module(
     )
 
 
+def run_folder(cfg: EagletConfig, new_run: Path) -> tuple[RunDir, str | None]:
+    """Where this run trains, and the checkpoint it resumes (None: a new run, in `new_run`).
+
+    A run resumed from a checkpoint of a run folder continues in that folder: there its checkpoint callbacks
+    find their own folder in the checkpoint and restore the best score and file so far (Lightning restores
+    them only into the folder they were saved from).
+    """
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.output_dir))
+    run = RunDir(new_run)
+    if ckpt_path is not None:
+        check_checkpoint(ckpt_path)
+        resumed = RunDir.of_checkpoint(ckpt_path)
+        if resumed is not None and resumed.path != run.path.resolve():
+            run.discard_if_unused()  # made for this command (Hydra's), now left empty: gone before any kill
+            run = resumed
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        # ShardDataModule saves and restores the sampler's position itself; Lightning looks at the loader only.
+        warnings.filterwarnings(
+            "ignore", message="You're resuming from a checkpoint that ended before the epoch"
+        )
+    for folder in (run.path, run.checkpoints_dir, run.draft_dir):
+        remove_stale_temporaries(folder)  # of a run killed while writing there
+    return run, ckpt_path
+
+
 def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = True) -> TrainSummary | None:
     """Train, select by val/tau_sim, export; the summary on rank 0 (None on other ranks).
+
+    A new run trains in `run_dir`; a resumed one continues in the folder of its checkpoint (`run_folder`) and
+    selects and exports the head the uninterrupted run would have.
 
     finish_tracking=False leaves a successful run's W&B run open for the caller (a sweep trial logs its
     measurements there, then closes it); a failed run is closed as failed either way.
     """
     start = time.perf_counter()
     check_machine(cfg.hardware)
-    run = RunDir(run_dir)
     tr = cfg.trainer
     shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
     manifest = read_manifest(shards)
@@ -118,7 +147,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
 
     plan = plan_trainer(cfg.hardware, tr)
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.output_dir))
+    run, ckpt_path = run_folder(cfg, run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = ShardDataModule(
@@ -139,6 +168,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     )
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
 
+    # Without a version counter a step trained again after a resume rewrites its own file (atomically),
+    # rather than adding best-step8-v1.ckpt beside the one its killed predecessor wrote.
     checkpoint = ModelCheckpoint(
         dirpath=run.checkpoints_dir,
         filename="best-step{step}",
@@ -146,16 +177,12 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         monitor="val/tau_sim",
         mode="max",
         save_top_k=1,
+        enable_version_counter=False,
     )
     # Refreshes last.ckpt between validations, so a killed run resumes close to where it stopped.
-    periodic = ModelCheckpoint(
-        dirpath=run.checkpoints_dir,
-        save_last=True,
-        save_top_k=0,
-        every_n_train_steps=tr.checkpoint_every_n_steps,
-    )
+    periodic = StepCheckpoint(run.checkpoints_dir, tr.checkpoint_every_n_steps)
     val_interval = min(micro_batches, tr.val_every_n_steps * plan.accumulate_grad_batches)
-    loggers = make_loggers(cfg.wandb, plain_config(cfg), run_dir, job_type="train")
+    loggers = make_loggers(cfg.wandb, plain_config(cfg), run.path, job_type="train")
     failed = True
     try:
         trainer = L.Trainer(
@@ -171,7 +198,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             val_check_interval=val_interval,
             logger=loggers,
             callbacks=[checkpoint, periodic, LearningRateMonitor(logging_interval="step")],
-            default_root_dir=run_dir,
+            plugins=[CheckpointFiles()],
+            default_root_dir=run.path,
             use_distributed_sampler=False,
             log_every_n_steps=1,
             num_sanity_val_steps=0,
@@ -191,6 +219,10 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             else {}
         )
         failed = False
+    except OSError as exc:  # checkpoints say so themselves (CheckpointFiles); this is the other files
+        if not is_disk_full(exc):
+            raise
+        raise disk_full(run.path, "training", run.last_checkpoint) from None
     finally:
         if failed or finish_tracking:
             finish_wandb(failed)
@@ -201,16 +233,19 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     selected = build_module(
         cfg.draft, tr, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=total_steps
     )
-    selected.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
-    export_dir = export_eagle(
-        selected.head,
-        DraftConfig(**OmegaConf.to_container(cfg.draft, resolve=True)),
-        run.draft_dir,
-        aux_layer_ids=manifest.aux_layer_ids,
-        overwrite=True,  # a run trained again into its folder (a pinned hydra.run.dir) replaces its head
-    )
+    selected.load_state_dict(read_checkpoint(best, map_location="cpu")["state_dict"])
+    try:
+        export_dir = export_eagle(
+            selected.head,
+            DraftConfig(**OmegaConf.to_container(cfg.draft, resolve=True)),
+            run.draft_dir,
+            aux_layer_ids=manifest.aux_layer_ids,
+            overwrite=True,  # a run trained again into its folder (a pinned hydra.run.dir) replaces its head
+        )
+    except DiskFullError:  # the writer's message says to export elsewhere; a run finishes in its folder
+        raise disk_full(run.draft_dir, "exporting the head", run.last_checkpoint) from None
     summary = TrainSummary(
-        run_dir=str(run_dir),
+        run_dir=str(run.path),
         shard_dir=str(shards),
         steps=int(trainer.global_step),
         epochs=int(trainer.current_epoch),
@@ -223,5 +258,6 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         export_dir=str(export_dir),
         seconds=time.perf_counter() - start,
     )
-    atomic_write_json(run.report_file, asdict(summary))
+    with said_if_disk_full(run.path, f"writing {run.report_file.name}", run.last_checkpoint):
+        atomic_write_json(run.report_file, asdict(summary))
     return summary

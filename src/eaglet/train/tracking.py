@@ -2,17 +2,62 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from eaglet.config.schema import WandbConfig
+from eaglet.fsutil import atomic_output
+
+
+class _ContinuedWriter(ExperimentWriter):
+    """Lightning's metrics.csv writer, except that a metrics.csv already there (a resumed run's) is continued.
+
+    Its rows before the first step this process logs stay; the later ones, of steps a resumed run trains again,
+    give way to the new rows. Lightning's writer deletes the file instead.
+    """
+
+    def _check_log_dir_exists(self) -> None:  # where Lightning's __init__ deletes the file
+        self._earlier: list[dict[str, str]] | None = None
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as f:
+                reader = csv.DictReader(f)
+                # A row cut short (a killed run) lacks its last fields: dropped.
+                self._earlier = [row for row in reader if None not in row.values()]
+                self.metrics_keys = list(reader.fieldnames or [])
+
+    def save(self) -> None:
+        if self._earlier is not None and self.metrics:
+            first = min(int(m["step"]) for m in self.metrics)
+            with atomic_output(self.metrics_file_path) as tmp, open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(row for row in self._earlier if int(row["step"]) < first)
+            self._earlier = None
+        super().save()
+
+
+class RunCSVLogger(CSVLogger):
+    """metrics.csv in the run folder, saved every step and continued by a resumed run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(save_dir=run_dir, name="", version="", flush_logs_every_n_steps=1)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuedWriter(log_dir=self.log_dir)
+        return self._experiment
 
 
 def wandb_logged_in() -> bool:
@@ -36,9 +81,7 @@ def make_loggers(
     wandb_cfg: WandbConfig, run_config: dict[str, Any], run_dir: Path, job_type: str
 ) -> list[Logger]:
     """A CSV logger, and a W&B one (recording `run_config`) unless WANDB_MODE=disabled."""
-    # metrics.csv sits in the run folder beside Hydra's files, which the CSV logger would warn about.
-    warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
-    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="", version="")]
+    loggers: list[Logger] = [RunCSVLogger(run_dir)]
     if "WANDB_MODE" not in os.environ and not wandb_logged_in():
         os.environ["WANDB_MODE"] = "offline"
     if os.environ.get("WANDB_MODE") == "disabled":
