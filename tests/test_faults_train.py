@@ -78,10 +78,10 @@ def test_training_killed_anywhere_resumes_to_the_same_head(
         train_process(shards, out, model_cache, *SCENARIO, "ckpt_path=last", kill_at=kill_at)
     train_process(shards, out, model_cache, *SCENARIO, "ckpt_path=last")
     ended_as_asked(uninterrupted)
-    whole = RunDir.newest(tmp_path / "whole")
+    whole = RunDir.newest(tmp_path / "whole", key="eval.run")
     assert best_name(whole) == "best-step6.ckpt"
 
-    run = RunDir.newest(out)
+    run = RunDir.newest(out, key="eval.run")
     assert [p.name for p in (out / "train").iterdir()] == [run.path.name]
     assert best_name(run) == best_name(whole)
     for name in ("model.safetensors", "config.json"):

@@ -348,7 +348,7 @@ def test_resumed_run_continues_in_its_folder_and_selects_the_same_head(
     shards: Path, tmp_path: Path, model_cache: Path
 ) -> None:
     train_process(shards, tmp_path / "whole", model_cache, *RESUME_SCENARIO)
-    whole = RunDir.newest(tmp_path / "whole")
+    whole = RunDir.newest(tmp_path / "whole", key="eval.run")
     best = Path(json.loads(whole.report_file.read_text())["best_checkpoint"]).name
     assert best == "best-step8.ckpt", "the scenario needs its best validation before the kill after step 10"
 
@@ -356,7 +356,7 @@ def test_resumed_run_continues_in_its_folder_and_selects_the_same_head(
     # Killed once after step 10 and its last.ckpt, as in the issue (step 20 of 24 there).
     train_process(shards, out, model_cache, *RESUME_SCENARIO, kill_at="on_train_batch_start@10")
     train_process(shards, out, model_cache, *RESUME_SCENARIO, "ckpt_path=last")
-    resumed = RunDir.newest(out)
+    resumed = RunDir.newest(out, key="eval.run")
     assert Path(json.loads(resumed.report_file.read_text())["best_checkpoint"]).name == best
     assert (resumed.draft_dir / "model.safetensors").read_bytes() == (
         whole.draft_dir / "model.safetensors"

@@ -84,7 +84,7 @@ def _write_folder(
         ):
             weights_tmp.write_bytes(weights)
             config_tmp.write_bytes((json.dumps(config, indent=2) + "\n").encode())
-    except OSError as exc:
+    except (OSError, DiskFullError) as exc:  # the atomic writer reports a full disk as DiskFullError
         if not is_disk_full(exc):
             raise
         raise DiskFullError(

@@ -28,7 +28,7 @@ def said_if_disk_full(folder: Path, doing: str, last_checkpoint: Path) -> Iterat
     """A full disk met inside becomes `disk_full`'s message (other errors pass unchanged)."""
     try:
         yield
-    except OSError as exc:
+    except (OSError, DiskFullError) as exc:  # the atomic writer reports a full disk as DiskFullError
         if not is_disk_full(exc):
             raise
         raise disk_full(folder, doing, last_checkpoint) from None

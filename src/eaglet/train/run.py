@@ -219,7 +219,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             else {}
         )
         failed = False
-    except OSError as exc:  # checkpoints say so themselves (CheckpointFiles); this is the other files
+    except OSError as exc:  # checkpoints, head and the atomic writer say so themselves; this is the rest
         if not is_disk_full(exc):
             raise
         raise disk_full(run.path, "training", run.last_checkpoint) from None
