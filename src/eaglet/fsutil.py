@@ -84,20 +84,14 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
 
 
 def remove_temporaries(folder: str | Path) -> None:
-    """Delete what killed writers left in `folder`: atomic_output's temporary folders, never a final name."""
-    for tmp in Path(folder).glob(f".*{_TEMPORARY}*"):
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def remove_stale_temporaries(folder: str | Path) -> None:
-    """Delete what `atomic_output` left in `folder` when its process was killed mid-write (the writer's
-    process id ends the name; a live writer's temporary is left alone)."""
+    """Delete what `atomic_output` left in `folder` when its process was killed mid-write, never a final name
+    (the writer's process id ends the name; a live writer's temporary is left alone)."""
     for tmp in Path(folder).glob(f".*{_TEMPORARY}*"):
         pid = tmp.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _running(int(pid)):
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
-            else:
+            else:  # a temporary file of an earlier version
                 tmp.unlink(missing_ok=True)
 
 

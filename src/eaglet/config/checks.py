@@ -96,7 +96,7 @@ def check_draft(draft: DraftConfig, model: ModelConfig) -> None:
         )
     dims = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
     at_least("draft", {key: getattr(draft, key) for key in dims}, 1)
-    at_least("draft", {"vocab_size": draft.vocab_size}, 1)
+    at_least("draft", {"vocab_size": draft.vocab_size}, 1)  # below 1 is not a size at all
     at_least(
         "draft",
         {"vocab_size": draft.vocab_size},
@@ -252,9 +252,7 @@ def check_plan(plan: PlanConfig) -> None:
         "chars_per_token": plan.chars_per_token,
         "deadline_hours": plan.deadline_hours,
     }
-    for key, value in positive_keys.items():
-        if value is not None and value <= 0:
-            raise ConfigError(f"plan.{key} must be > 0, got {value}")
+    positive("plan", positive_keys)
     twice = sorted({name for name in plan.compare if list(plan.compare).count(name) > 1})
     if twice:
         raise ConfigError(f"plan.compare lists {twice} more than once; list each hardware once")

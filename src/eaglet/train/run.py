@@ -16,7 +16,7 @@ from eaglet.config.plain import plain_config
 from eaglet.config.schema import DraftConfig, EagletConfig, ModelConfig, TrainerConfig
 from eaglet.errors import DataError, DiskFullError
 from eaglet.formats.writer import export_eagle
-from eaglet.fsutil import atomic_write_json, is_disk_full, remove_stale_temporaries
+from eaglet.fsutil import atomic_write_json, is_disk_full, remove_temporaries
 from eaglet.run_dir import RunDir, resolve_ckpt_path
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE, shard_dir
@@ -123,7 +123,7 @@ def run_folder(cfg: EagletConfig, new_run: Path) -> tuple[RunDir, str | None]:
             "ignore", message="You're resuming from a checkpoint that ended before the epoch"
         )
     for folder in (run.path, run.checkpoints_dir, run.draft_dir):
-        remove_stale_temporaries(folder)  # of a run killed while writing there
+        remove_temporaries(folder)  # of a run killed while writing there
     return run, ckpt_path
 
 
