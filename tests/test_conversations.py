@@ -266,3 +266,8 @@ def test_dataset_spans_its_files_holds_out_eval_prompts_and_is_capped(tmp_path):
     twice = DatasetConfig(name="d", paths=[str(a), str(a)])
     with pytest.raises(DataError, match="also appears at"):
         read(twice, max_conversations=None)
+
+
+def test_a_missing_data_folder_says_where_shared_data_comes_from(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="EAGLET_SHARED_DATA"):
+        load_conversations([tmp_path / "no-such-folder" / "prompts.jsonl"])

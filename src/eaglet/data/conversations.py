@@ -143,7 +143,14 @@ def _check_paths(paths: Sequence[str | Path]) -> list[Path]:
         )
     missing = [str(path) for path in files if not path.is_file()]
     if missing:
-        raise DataError(f"dataset file(s) not found: {', '.join(missing)}; check dataset.paths")
+        absent = sorted({str(Path(path).parent) for path in missing if not Path(path).parent.is_dir()})
+        where = (
+            f" (no folder {', '.join(absent)}: the shipped dataset configs read paths.shared_data, which is "
+            "../shared/data beside the project root unless EAGLET_SHARED_DATA=/path/to/shared/data is set)"
+            if absent
+            else ""
+        )
+        raise DataError(f"dataset file(s) not found: {', '.join(missing)}; check dataset.paths{where}")
     resolved = [path.resolve() for path in files]
     twice = sorted({str(path) for path in files if resolved.count(path.resolve()) > 1})
     if twice:
