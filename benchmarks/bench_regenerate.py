@@ -1,23 +1,32 @@
-"""In-process regeneration throughput: the turn-serial scheduler eaglet had before against continuous batching.
+"""In-process regeneration throughput: the generation engine against the reference decoder and older loops.
 
     python benchmarks/bench_regenerate.py                                   # embedded SmolLM2, 64 conversations
-    python benchmarks/bench_regenerate.py bench.conversations=512 bench.batch_size=512 bench.max_new_tokens=640
+    python benchmarks/bench_regenerate.py bench.conversations=2048 bench.min_user_turns=1 bench.batch_size=1024 \
+        bench.max_new_tokens=640 bench.schedulers=engine,engine-sampled,reference,transformers-cb bench.compare=256
 
-Both schedulers answer the same multi-turn conversations (ShareGPT and OpenAssistant, at least two user turns
-each) greedily, turn by turn. "turn-serial" is the previous scheduler, kept here for comparison: fixed
-length-sorted batches in which user turn r+1 of every conversation waits for turn r of all of them, decoded
-with a DynamicCache, Python per row at every step, and a cache copy whenever a row finishes. "continuous" is
-eaglet's `regenerate_conversations` (rows refilled with the next turn or conversation as answers finish; it
-also writes and fsyncs the output file, which the turn-serial timing leaves out). The row is appended to
-experiments/BENCHMARKS.md.
+Every scheduler answers the same conversations (the shared ShareGPT, OpenAssistant, ... files; with
+`bench.min_user_turns=2` only those with two or more user turns), turn by turn, through eaglet's
+`regenerate_conversations` unless said otherwise:
+- "engine": the generation engine (static slots, CUDA graphs; eaglet.generation.engine), greedy.
+- "engine-sampled": the same, sampled (`bench.temperature`, `bench.top_p`), `bench.samples` answers per prompt.
+- "reference": the reference decoder (eaglet.generation.continuous), greedy.
+- "turn-serial": the scheduler before continuous batching, kept for comparison: fixed length-sorted batches in
+  which user turn r+1 waits for turn r of all of them, a DynamicCache, Python per row at every step.
+- "transformers-cb": transformers' own continuous batching (`generate_batch`, paged attention) on the first
+  user turn of each conversation, greedy (one turn: its API takes prompts, not conversations).
+`bench.compare=N` decodes the first turn of N conversations with both decoders and counts the answers that
+are token-identical; where they differ it reads the target's logits of the two tokens at the first difference
+and counts the near-ties (within two bf16 steps of each other). Rows are appended to experiments/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -32,22 +41,31 @@ from eaglet.data.conversations import Conversation, Turn, read_jsonl_conversatio
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerated import user_turn_groups
 from eaglet.data.templating import build_prompt_ids
+from eaglet.generation import decode_batch
 from eaglet.target_model import load_target
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 DEFAULTS = {
     "conversations": 64,
+    "min_user_turns": 2,
     "max_new_tokens": 64,
     "batch_size": 16,
     "refill_every": 16,
     "max_length": 2048,
-    "schedulers": "turn-serial,continuous",
+    "schedulers": "turn-serial,reference,engine",
+    "temperature": "0.7",
+    "top_p": "0.95",
+    "samples": 1,
+    "compare": 0,
+    # 1: the engine's decode step through torch.compile (extract.regenerate.compile).
+    "compile": 1,
     # 0: print the table without appending it to BENCHMARKS.md.
     "record": 1,
-    # 1: also profile the continuous scheduler (torch.profiler): time per phase and the busiest kernels.
+    # 1: also profile the engine (torch.profiler): time per phase and the busiest kernels.
     "profile": 0,
 }
-SOURCES = ("sharegpt_v3_head.jsonl", "oasst_en100.jsonl")
+SOURCES = ("sharegpt_v3_head.jsonl", "oasst_en100.jsonl", "oasst_prompt_lottery.jsonl", "alpaca_en_demo.jsonl",
+           "gpteacher_codegen.jsonl", "self_instruct_seed.jsonl", "gsm8k_train.jsonl")  # fmt: skip
 
 
 def machine() -> str:
@@ -61,10 +79,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def multi_turn(shared_data: Path, count: int) -> list[Conversation]:
-    """The first `count` conversations with two or more user turns, alternating between the source files."""
+def pick_conversations(shared_data: Path, count: int, min_user_turns: int) -> list[Conversation]:
+    """The first `count` conversations with `min_user_turns` user turns or more, alternating between the files."""
     streams = [
-        (c for c in read_jsonl_conversations(shared_data / name) if len(user_turn_groups(c)) >= 2)
+        (
+            c
+            for c in read_jsonl_conversations(shared_data / name)
+            if len(user_turn_groups(c)) >= min_user_turns
+        )
         for name in SOURCES
     ]
     picked: list[Conversation] = []
@@ -169,14 +191,22 @@ def turn_serial(
     return answers, generated
 
 
-def continuous(
-    model, tokenizer, conversations: list[Conversation], opts: dict
+def regenerate(
+    model, tokenizer, conversations: list[Conversation], opts: dict, *, engine: str, sampled: bool = False
 ) -> tuple[list[list[Turn]], int]:
+    """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens)."""
+    # Several answers per prompt: copies under their own ids, so each samples its own stream.
+    if sampled and opts["samples"] > 1:
+        conversations = [replace(c, id=f"{c.id}#{k}") for c in conversations for k in range(opts["samples"])]
     cfg = RegenerateConfig(
         enabled=True,
         max_new_tokens=opts["max_new_tokens"],
         batch_size=opts["batch_size"],
         refill_every=opts["refill_every"],
+        engine=engine,
+        compile=bool(opts["compile"]),
+        temperature=float(opts["temperature"]) if sampled else 0.0,
+        top_p=float(opts["top_p"]) if sampled else 1.0,
     )
     with tempfile.TemporaryDirectory() as tmp:
         out, stats = regenerate_conversations(
@@ -190,18 +220,87 @@ def continuous(
     return [list(c.turns) for c in out], stats.generated_tokens
 
 
-def profile_continuous(model, tokenizer, conversations: list[Conversation], opts: dict) -> None:
-    """One continuous run under torch.profiler: wall time per phase (regen.* ranges) and the top operators."""
+def first_turn_prompts(tokenizer, conversations: list[Conversation], opts: dict) -> list[list[int]]:
+    """The prompt of each conversation's first user turn, where it leaves room for the answer."""
+    prompts = [build_prompt_ids(tokenizer, user_turn_groups(c)[0]) for c in conversations]
+    return [p for p in prompts if len(p) + opts["max_new_tokens"] <= opts["max_length"]]
+
+
+def transformers_cb(
+    model, tokenizer, conversations: list[Conversation], opts: dict
+) -> tuple[list[list[Turn]], int]:
+    """transformers' generate_batch over the first user turns, greedy (its paged attention, CUDA graphs)."""
+    from transformers import GenerationConfig
+
+    prompts = first_turn_prompts(tokenizer, conversations, opts)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("paged|sdpa")
+    try:
+        config = GenerationConfig(
+            max_new_tokens=opts["max_new_tokens"], do_sample=False, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        )  # fmt: skip
+        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    finally:
+        model.set_attn_implementation(previous)
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    return [[Turn("assistant", "")] for _ in results], tokens
+
+
+SCHEDULERS = {
+    "turn-serial": lambda m, t, c, o: turn_serial(m, t, c, o),
+    "reference": lambda m, t, c, o: regenerate(m, t, c, o, engine="reference"),
+    "engine": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine"),
+    "engine-sampled": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", sampled=True),
+    "transformers-cb": transformers_cb,
+}
+
+
+@torch.inference_mode()
+def compare_decoders(model, tokenizer, conversations: list[Conversation], opts: dict) -> str:
+    """Greedy first-turn answers of the engine against the reference decoder: identical, near-ties, the rest."""
+    prompts = first_turn_prompts(tokenizer, conversations[: opts["compare"]], opts)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    common = {"max_new_tokens": opts["max_new_tokens"], "stop_ids": {eos}, "pad_id": pad}
+    reference = decode_batch(model, prompts, engine="reference", **common)
+    engine = decode_batch(model, prompts, engine="engine", **common)
+    differ, near_ties, widest = 0, 0, 0.0
+    device = next(model.parameters()).device
+    for prompt, ours, theirs in zip(prompts, engine, reference, strict=True):
+        if ours == theirs:
+            continue
+        differ += 1
+        at = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+            min(len(ours), len(theirs)),
+        )
+        picks = [seq[at] if at < len(seq) else eos for seq in (ours, theirs)]
+        logits = model(torch.tensor([prompt + theirs[:at]], device=device)).logits[0, -1].float()
+        a, b = logits[picks[0]].item(), logits[picks[1]].item()
+        # Two bf16 steps at this magnitude: bf16 keeps 8 significant bits.
+        step = 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - 7)
+        near_ties += abs(a - b) <= 2 * step
+        widest = max(widest, abs(a - b))
+    return (
+        f"Greedy first-turn answers, engine against the reference decoder: {len(prompts) - differ}/{len(prompts)} "
+        f"token-identical; of the {differ} that differ, {near_ties} part at a near-tie (the two tokens' logits within "
+        f"two bf16 steps; widest gap {widest:.3g})."
+    )
+
+
+def profile_engine(model, tokenizer, conversations: list[Conversation], opts: dict) -> None:
+    """One engine run under torch.profiler: wall time per phase (engine.* ranges) and the top operators."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        continuous(model, tokenizer, conversations, opts)
+        regenerate(model, tokenizer, conversations, opts, engine="engine")
         sync()
     events = prof.key_averages()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print("| phase | calls | CPU s | device s |\n|---|---|---|---|")
-    for event in sorted((e for e in events if e.key.startswith("regen.")), key=lambda e: -e.cpu_time_total):
+    for event in sorted((e for e in events if e.key.startswith("engine.")), key=lambda e: -e.cpu_time_total):
         device_us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0))
         print(f"| {event.key} | {event.count} | {event.cpu_time_total / 1e6:.2f} | {device_us / 1e6:.2f} |")
     print(events.table(sort_by=f"self_{device}_time_total", row_limit=20))
@@ -223,49 +322,71 @@ def main(argv: list[str]) -> None:
         cfg = compose("config", overrides=overrides)
     check_config(cfg)
     target = load_target(cfg.model, device="auto", cache_dir=Path(cfg.paths.cache_dir))
-    conversations = multi_turn(Path(cfg.paths.shared_data), opts["conversations"])
-    runners = {"turn-serial": turn_serial, "continuous": continuous}
+    conversations = pick_conversations(
+        Path(cfg.paths.shared_data), opts["conversations"], opts["min_user_turns"]
+    )
     chosen = opts["schedulers"].split(",")
-    # Warm-up: kernels, allocator, tokenizer caches.
+    unknown = [name for name in chosen if name not in SCHEDULERS]
+    if unknown:
+        sys.exit(f"unknown scheduler {unknown}; the schedulers are {', '.join(SCHEDULERS)}")
+    model, tokenizer = target.model, target.tokenizer
+    # Warm-up: kernels, allocator, tokenizer caches (the engine captures its graph again in each run).
     for name in chosen:
-        runners[name](target.model, target.tokenizer, conversations[:2], {**opts, "max_new_tokens": 4})
+        SCHEDULERS[name](model, tokenizer, conversations[:2], {**opts, "max_new_tokens": 4, "batch_size": 2})
     if opts["profile"]:
-        profile_continuous(target.model, target.tokenizer, conversations, opts)
+        profile_engine(model, tokenizer, conversations, opts)
     results = {}
     for name in chosen:
         sync()
         start = time.perf_counter()
-        answers, tokens = runners[name](target.model, target.tokenizer, conversations, opts)
+        try:
+            answers, tokens = SCHEDULERS[name](model, tokenizer, conversations, opts)
+        except Exception as error:  # a comparison row (transformers' own API) may not run on this version
+            print(f"{name}: failed: {type(error).__name__}: {error}")
+            continue
         sync()
         results[name] = (answers, tokens, time.perf_counter() - start)
+        print(f"{name}: {tokens:,} tokens in {results[name][2]:.1f} s", flush=True)
 
     header = (
-        "| date | machine | target | scheduler | conversations | answered turns | generated tokens | batch "
-        "| seconds | tokens/s | speed-up |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| date | machine | target | scheduler | conversations | answered turns | generated tokens | rows "
+        "| seconds | new tokens/s | vs first row |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     base = next(iter(results.values()))
     rows = []
     for name, (answers, tokens, seconds) in results.items():
         turns = sum(t.role == "assistant" for a in answers for t in a)
+        count = len(answers) if name in ("engine-sampled", "transformers-cb") else len(conversations)
         rows.append(
-            f"| {date.today()} | {machine()} | {cfg.model.name} ({target.dtype}) | {name} | {len(conversations)} "
+            f"| {date.today()} | {machine()} | {cfg.model.name} ({target.dtype}) | {name} | {count:,} "
             f"| {turns:,} | {tokens:,} | {opts['batch_size']} | {seconds:,.1f} | {tokens / seconds:,.0f} "
-            f"| {base[2] / seconds:.2f}x |"
+            f"| {base[2] / seconds * tokens / base[1]:.2f}x |"
         )
     print(header)
     print("\n".join(rows))
     notes = []
-    if len(results) == 2:
-        (first, second) = (r[0] for r in results.values())
-        pairs = [(a, b) for x, y in zip(first, second, strict=True) for a, b in zip(x, y, strict=False)]
+    greedy = [results[n][0] for n in ("reference", "engine", "turn-serial") if n in results]
+    if len(greedy) >= 2:
+        pairs = [
+            (a, b) for x, y in zip(greedy[0], greedy[1], strict=True) for a, b in zip(x, y, strict=False)
+        ]
         same = sum(a == b for a, b in pairs if a.role == "assistant")
         total = sum(a.role == "assistant" for a, _ in pairs)
-        notes.append(f"Greedy answers identical between the schedulers: {same}/{total} turns.")
+        notes.append(
+            f"Greedy answers identical between the first two greedy schedulers: {same}/{total} turns."
+        )
+        print(notes[-1])
+    if opts["compare"]:
+        notes.append(compare_decoders(model, tokenizer, conversations, opts))
         print(notes[-1])
     if not opts["record"]:
         return
     command = "python benchmarks/bench_regenerate.py " + " ".join(argv)
-    settings = f"max_new_tokens {opts['max_new_tokens']}, max_length {opts['max_length']}, refill_every {opts['refill_every']}"
+    settings = (
+        f"max_new_tokens {opts['max_new_tokens']}, max_length {opts['max_length']}, refill_every "
+        f"{opts['refill_every']}; sampled: temperature {opts['temperature']}, top_p {opts['top_p']}, "
+        f"{opts['samples']} answer(s) per prompt"
+    )
     with open(BENCH_FILE, "a") as fh:
         fh.write(f"\n### Regeneration throughput — `{command.strip()}`\n\n{settings}. {' '.join(notes)}\n\n")
         fh.write(f"{header}\n" + "\n".join(rows) + "\n")

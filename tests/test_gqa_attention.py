@@ -39,7 +39,7 @@ def test_equals_sdpa_over_repeated_heads(mask_kind: str) -> None:
 def test_decoding_goes_through_it_and_restores_the_model(monkeypatch) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglet.generation.continuous import DecodeSettings, Request, decode_continuous
+    from eaglet.generation import DecodeSettings, Request, decode_continuous
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")  # fmt: skip

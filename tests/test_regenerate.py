@@ -328,7 +328,8 @@ def test_bad_scheduler_settings_are_reported(target, tmp_path: Path) -> None:
 
 
 def test_prefill_batches_hold_prompts_of_similar_length() -> None:
-    from eaglet.generation.continuous import Request, _chunks
+    from eaglet.generation.work import Request
+    from eaglet.generation.work import prefill_chunks as _chunks
 
     requests = [Request([0] * n) for n in (100, 90, 80, 70, 20, 19, 18, 5)]
     lengths = lambda chunks: [[len(r.prompt) for r in chunk] for chunk in chunks]  # noqa: E731

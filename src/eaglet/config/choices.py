@@ -92,3 +92,11 @@ class AttentionKeys(StrEnum):
 # Lightning strategies eaglet trains with (eaglet.train.strategy). hardware.strategy stays a plain string,
 # checked after composition (eaglet.config.checks), so a wrong one is a ConfigError naming these.
 STRATEGIES = ("auto", "ddp", "fsdp")
+
+
+class GenerationEngine(StrEnum):
+    """Which decoder answers in-process (eaglet.generation): auto = the engine on CUDA where it applies."""
+
+    auto = "auto"
+    engine = "engine"  # static slots and CUDA graphs: llama, mistral, qwen2, qwen3
+    reference = "reference"  # any transformers model, CPU or GPU

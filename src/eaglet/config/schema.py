@@ -19,6 +19,7 @@ from eaglet.config.choices import (
     ExportFormat,
     ExtractBackend,
     FloatDtype,
+    GenerationEngine,
     Interconnect,
     ModelSource,
     SweepObjective,
@@ -165,6 +166,11 @@ class RegenerateConfig:
     # In-process: decode steps between checks for finished answers, whose rows then take the next turn.
     # Sampling is seeded by the top-level `seed`.
     refill_every: int = 16
+    # In-process decoder: auto (the generation engine on CUDA for llama/mistral/qwen2/qwen3, else the
+    # reference), engine, or reference.
+    engine: GenerationEngine = GenerationEngine.auto
+    # The engine's decode step through torch.compile (CUDA): fewer, fused kernels; a compilation at the start.
+    compile: bool = True
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
     # Model name to request; null = the one model the endpoint lists at /v1/models.

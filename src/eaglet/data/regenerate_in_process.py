@@ -58,6 +58,9 @@ def regenerate_in_process(
         top_p=cfg.top_p,
         max_rows=cfg.batch_size,
         refill_every=cfg.refill_every,
+        engine=str(cfg.engine),
+        max_context=max_length,
+        compile=cfg.compile,
     )
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)

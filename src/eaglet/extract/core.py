@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from eaglet.config.schema import DatasetConfig, ModelConfig
+from eaglet.config.schema import DatasetConfig, ModelConfig, RegenerateConfig
 from eaglet.data.conversations import Conversation
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerate_stats import RegenerateStats
@@ -48,6 +48,7 @@ from eaglet.fsutil import (
     remove_temporaries,
     sha256_file,
 )
+from eaglet.generation import chosen_engine
 from eaglet.shards import (
     MANIFEST_FILE,
     MANIFEST_VERSION,
@@ -339,6 +340,8 @@ def _regenerate(
             "max_length": job.extract.max_length,
             "dtype": target.dtype,
             "device": target.device,
+            # The engine's bf16 arithmetic can break a near-tie the other way: its answers are its own.
+            **({"decoder": "engine"} if _decoder(model, rg) == "engine" else {}),
         }
     )
     path = job.data_dir / "regenerated" / f"{name}-{key}.jsonl"
@@ -361,6 +364,13 @@ def _regenerate(
             template_kwargs=chat_template_variables(job.model, rg) if rg.endpoint else None,
             seed=job.seed,
         )
+
+
+def _decoder(model: torch.nn.Module | None, rg: RegenerateConfig) -> str | None:
+    """The in-process decoder that answers (None when a server does)."""
+    if model is None or rg.endpoint is not None:
+        return None
+    return chosen_engine(model, str(rg.engine))
 
 
 def _tokenize(

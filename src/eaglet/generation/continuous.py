@@ -1,4 +1,7 @@
-"""Continuous batching over a transformers causal LM: a running set of rows, refilled as rows finish.
+"""The reference decoder: continuous batching over any transformers causal LM, rows refilled as they finish.
+
+It runs every model transformers runs, on CPU or GPU; eaglet.generation.engine is the fast path for the
+architectures it knows and is checked against this one.
 
 Up to `max_rows` requests decode together. Every `refill_every` steps one device sync finds the rows that
 met a stop id or their token budget; their tokens go to the work source, which may answer with follow-up
@@ -13,9 +16,7 @@ tokens do not depend on which others share the batch, beyond floating-point roun
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -24,48 +25,11 @@ from transformers import DynamicCache
 from eaglet.generation.gqa_attention import gqa_decode
 from eaglet.generation.row_cache import CachedRows, RowCache
 from eaglet.generation.sampling import pick_next
-
-
-@dataclass(frozen=True, eq=False)
-class Request:
-    """One prompt to continue. `seed` names its sampling stream (unused when greedy); `tag` is the caller's."""
-
-    prompt: Sequence[int]
-    seed: int = 0
-    tag: Any = None
-
-
-class WorkSource(Protocol):
-    def take(self, limit: int) -> list[Request]:
-        """Up to `limit` requests to start now (fewer, or none, when none are ready)."""
-        ...
-
-    def finish(self, request: Request, tokens: list[int]) -> None:
-        """A request's new tokens, ending before its first stop id; called in a deterministic order."""
-        ...
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    pad_id: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    # Rows decoding at once.
-    max_rows: int = 16
-    # Decode steps between checks for finished rows: each check is a device sync and may rebuild the cache;
-    # a row that finishes mid-window idles until the check.
-    refill_every: int = 16
-    # Padded prompt tokens per prefill forward, at most; and at least, before prompts of quite different
-    # lengths get a forward of their own (null: 0 on CPU, where padding is pure waste; 16384 on GPUs, where a
-    # small forward costs its kernel launches more than its compute).
-    prefill_tokens: int = 32768
-    min_prefill_tokens: int | None = None
+from eaglet.generation.work import DecodeSettings, Request, WorkSource, prefill_chunks
 
 
 @torch.inference_mode()
-def decode_continuous(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
+def decode_reference(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
     """Decode every request `source` hands out until it has no more and no row is running."""
     # The named ranges show up in a torch.profiler trace (benchmarks/bench_regenerate.py bench.profile=1).
     with gqa_decode(model):
@@ -168,7 +132,7 @@ class _RunningBatch:
             state = [tensor[:0] for tensor in state]
         # Longest first: one chunk holds prompts of similar length, so little padding.
         ordered = sorted(incoming, key=lambda r: -len(r.prompt))
-        for chunk in _chunks(ordered, self.settings.prefill_tokens, self.min_prefill_tokens):
+        for chunk in prefill_chunks(ordered, self.settings.prefill_tokens, self.min_prefill_tokens):
             with record_function("regen.prefill"):
                 part, first = self._prefill(chunk)
             parts.append(part)
@@ -264,22 +228,3 @@ def _attention_for_4d_masks(config: Any) -> str | None:
     else:
         sliding = any(kind != "full_attention" for kind in layer_types)
     return None if sliding else getattr(config, "_attn_implementation", None)
-
-
-def _chunks(requests: list[Request], budget: int, min_tokens: int) -> list[list[Request]]:
-    """Prefill batches of requests sorted longest first, each within `budget` padded tokens (one row at least).
-
-    A batch closes early where the next prompt is under 3/4 of its longest, once it holds `min_tokens`
-    padded tokens: padding costs compute (quadratic in attention), and each forward costs launches.
-    """
-    chunks: list[list[Request]] = []
-    for request in requests:
-        if chunks:
-            longest, rows = len(chunks[-1][0].prompt), len(chunks[-1])
-            fits = (rows + 1) * longest <= budget
-            similar = 4 * len(request.prompt) >= 3 * longest or rows * longest < min_tokens
-            if fits and similar:
-                chunks[-1].append(request)
-                continue
-        chunks.append([request])
-    return chunks

@@ -1,10 +1,50 @@
-"""Decode a fixed list of prompts together: continuous batching (eaglet.generation.continuous) over one list."""
+"""Run a work source to the end with the right decoder, and decode a fixed list of prompts.
+
+`decode_continuous` picks the generation engine (eaglet.generation.engine) on CUDA for the architectures it
+knows, and the reference decoder (eaglet.generation.continuous) everywhere else: on CPU, where a graph saves
+nothing and the reference is the one checked against transformers' own `generate`, and for any other model.
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from eaglet.generation.continuous import DecodeSettings, Request, decode_continuous
+from eaglet.generation.continuous import decode_reference
+from eaglet.generation.engine import decode_static
+from eaglet.generation.static_model import unsupported_reason
+from eaglet.generation.work import DecodeSettings, Request, WorkSource
+
+log = logging.getLogger(__name__)
+ENGINES = ("auto", "engine", "reference")
+
+
+def chosen_engine(model: torch.nn.Module, engine: str = "auto") -> str:
+    """Which decoder runs: "engine" or "reference", as `engine` asks ("auto": the engine on CUDA when the model allows)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown decoder {engine!r}; one of {', '.join(ENGINES)}")
+    if engine == "reference":
+        return "reference"
+    reason = unsupported_reason(model)
+    if engine == "engine":
+        if reason is not None:
+            raise ValueError(f"the generation engine cannot run {type(model).__name__}: {reason}")
+        return "engine"
+    if next(model.parameters()).device.type != "cuda":
+        return "reference"
+    if reason is not None:
+        log.info("generating with the reference decoder: %s", reason)
+        return "reference"
+    return "engine"
+
+
+def decode_continuous(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
+    """Decode every request `source` hands out until it has no more, with the decoder `chosen_engine` picks."""
+    if chosen_engine(model, settings.engine) == "engine":
+        decode_static(model, source, settings)
+    else:
+        decode_reference(model, source, settings)
 
 
 class _PromptList:
@@ -32,6 +72,7 @@ def decode_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    engine: str = "auto",
 ) -> list[list[int]]:
     """New token ids for each prompt, each ending at the first stop id (excluded).
 
@@ -48,6 +89,8 @@ def decode_batch(
         temperature=temperature,
         top_p=top_p,
         max_rows=max(1, len(prompts)),
+        engine=engine,
+        max_context=max((len(p) for p in prompts), default=0) + max_new_tokens,
     )
     decode_continuous(model, source, settings)
     return source.results

@@ -3,12 +3,14 @@
 Sampling draws its noise from a counter-based hash of (row seed, token index, vocabulary id) and picks by the
 Gumbel-max trick, so a row samples the same tokens whichever rows share its batch, in whatever order rows
 join: a resumed or re-batched run samples what an uninterrupted one does. A shared `torch.Generator` would
-tie every sample to the batch composition.
+tie every sample to the batch composition. On CUDA one kernel does all of it (eaglet.generation.sampling_kernel).
 """
 
 from __future__ import annotations
 
 import torch
+
+from eaglet.generation import sampling_kernel
 
 _MASK32 = 0xFFFFFFFF
 
@@ -49,6 +51,10 @@ def pick_next(
     """
     if temperature <= 0:
         return logits.argmax(dim=-1)
+    if sampling_kernel.kernel_applies(logits):  # the same choice without sorting (CUDA)
+        return sampling_kernel.sample_rows(
+            logits, temperature=temperature, top_p=top_p, seeds=seeds, steps=steps
+        )
     scores = logits.float() / temperature
     if top_p < 1.0:
         ordered, order = scores.sort(dim=-1, descending=True)

@@ -1,0 +1,123 @@
+"""eaglet.generation.sampling's nucleus sampling as one Triton kernel: no sort, no [rows, vocab] temporaries.
+
+Sorting every row of the logits to find its nucleus, and hashing a noise value per vocabulary entry in
+separate tensor operations, cost more than the rest of a small target's decode step. Here one program per
+row reads the row a few times instead: an online softmax, then a search for the nucleus threshold (a
+token is kept when the probability mass strictly above it is at most top_p, which is the sorted prefix the
+reference keeps, up to probabilities equal within float32 rounding), then the Gumbel-max pick with the same
+counter-based noise (same hash, same bits), so a row samples what the reference samples except where two
+candidates' scores agree to the last bits of float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None
+
+# Passes of the threshold search, each cutting [low, high] into SPLITS + 1 parts: 9**9 > 2**28, past what
+# float32 resolves between 0 and the largest probability.
+_PASSES = 9
+_SPLITS = 8
+_BLOCK = 1024
+
+
+def kernel_applies(logits: torch.Tensor) -> bool:
+    return triton is not None and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1
+
+
+def sample_rows(
+    logits: torch.Tensor, *, temperature: float, top_p: float, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """Token ids [rows] sampled as eaglet.generation.sampling.pick_next samples them (temperature > 0)."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    _sample_kernel[(rows,)](
+        logits, seeds, steps, out, vocab, logits.stride(0), float(temperature), float(top_p),
+        USE_TOP_P=top_p < 1.0, PASSES=_PASSES, SPLITS=_SPLITS, BLOCK=_BLOCK, num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32(x):
+        """sampling._mix32 on uint32: products wrap modulo 2**32, as the reference's masked int64 products do."""
+        x = x ^ (x >> 16)
+        x = x * 0x21F0AAAD
+        x = x ^ (x >> 15)
+        x = x * 0x735A2D97
+        return x ^ (x >> 15)
+
+    @triton.jit
+    def _sample_kernel(
+        LOGITS, SEEDS, STEPS, OUT, vocab, stride, temperature, top_p,
+        USE_TOP_P: tl.constexpr, PASSES: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        base = LOGITS + row.to(tl.int64) * stride
+        offsets = tl.arange(0, BLOCK)
+        # Online softmax: the largest score and the sum of exp(score - largest).
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            ids = start + offsets
+            x = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+            x = tl.math.div_rn(x, temperature)
+            new_best = tl.maximum(best, x)
+            total = total * tl.exp(best - new_best) + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
+            best = new_best
+        top = tl.max(best, 0)
+        norm = tl.sum(total * tl.exp(best - top), 0)
+        cut = -1.0
+        # The probabilities the search and the final test compare: one formula for both, so the token at the
+        # nucleus edge falls on the same side of the threshold in each.
+        inverse = 1.0 / temperature
+        if USE_TOP_P:
+            # The mass of the probabilities above t falls as t grows; the nucleus is every probability above
+            # the largest t whose mass above still exceeds top_p. Each pass over the row measures the mass at
+            # SPLITS thresholds at once, narrowing [low, high] (mass above low > top_p >= mass above high)
+            # SPLITS + 1 times.
+            low = 0.0
+            high = 1.0 / norm
+            splits = tl.arange(0, SPLITS)
+            for _ in range(PASSES):
+                width = (high - low) / (SPLITS + 1)
+                thresholds = low + width * (splits + 1).to(tl.float32)
+                mass = tl.zeros([SPLITS], tl.float32)
+                for start in range(0, vocab, BLOCK):
+                    ids = start + offsets
+                    x = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+                    p = tl.exp(x * inverse - top) / norm
+                    mass += tl.sum(tl.where(p[None, :] > thresholds[:, None], p[None, :], 0.0), 1)
+                above = tl.sum((mass > top_p).to(tl.int32), 0)  # thresholds are ascending, mass descending
+                new_low = low + width * above.to(tl.float32)
+                high = low + width * (above + 1).to(tl.float32)
+                low = new_low
+            cut = low
+        seed = tl.load(SEEDS + row).to(tl.uint32)
+        step = tl.load(STEPS + row).to(tl.uint32)
+        stream = _mix32(_mix32(seed) ^ step)
+        pick_score = float("-inf")
+        pick = 0
+        for start in range(0, vocab, BLOCK):
+            ids = start + offsets
+            inside = ids < vocab
+            raw = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
+            x = tl.math.div_rn(raw, temperature)
+            bits = _mix32(_mix32(stream ^ ids.to(tl.uint32)))
+            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (2.0**-24)
+            score = x - tl.log(-tl.log(uniform))
+            kept = inside & (tl.exp(raw * inverse - top) / norm > cut)
+            score = tl.where(kept, score, float("-inf"))
+            block_best = tl.max(score, 0)
+            block_pick = tl.argmax(score, 0)
+            better = block_best > pick_score
+            pick = tl.where(better, start + block_pick, pick)
+            pick_score = tl.where(better, block_best, pick_score)
+        tl.store(OUT + row, pick.to(tl.int64))

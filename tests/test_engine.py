@@ -1,0 +1,193 @@
+"""The generation engine against the reference decoder: same tokens, same sampling streams, same refills.
+
+On CPU in float32 the two agree token for token (the engine's arithmetic is the target's own modules; only the
+attention kernel differs, within float32 rounding). CUDA tests compare the Triton decode-attention kernel
+with the plain reference, and the engine in bf16, graphs on and off, with the reference decoder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from eaglet.generation import DecodeSettings, Request, chosen_engine, decode_batch, decode_continuous
+from eaglet.generation.decode_attention import decode_attention, reference_decode_attention
+from eaglet.generation.static_model import unsupported_reason
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DIMS = {"vocab_size": 96, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+
+
+def tiny(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**DIMS, rope_theta=10000.0))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**DIMS, head_dim=16, rope_theta=10000.0))
+    return model.eval()
+
+
+class Conversations:
+    """A work source like regeneration's: each finished answer may bring a follow-up request built from it."""
+
+    def __init__(self, prompts: list[list[int]], turns: int) -> None:
+        self.pending = [Request(p, seed=100 + i, tag=(i, 0)) for i, p in enumerate(prompts)]
+        self.turns = turns
+        self.answers: dict[tuple[int, int], list[int]] = {}
+
+    def take(self, limit: int) -> list[Request]:
+        taken, self.pending = self.pending[:limit], self.pending[limit:]
+        return taken
+
+    def finish(self, request: Request, tokens: list[int]) -> None:
+        conv, turn = request.tag
+        self.answers[(conv, turn)] = tokens
+        if turn + 1 < self.turns:
+            follow_up = [*request.prompt, *tokens, 7, 8 + turn]
+            self.pending.append(Request(follow_up, seed=request.seed + 1000, tag=(conv, turn + 1)))
+
+
+def run(model, engine: str, *, temperature: float = 0.0, top_p: float = 1.0, rows: int = 3, **extra):
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42], [9] * 20, [4, 4, 5, 6], list(range(10, 40))]
+    source = Conversations(prompts, turns=2)
+    settings = DecodeSettings(
+        max_new_tokens=10, stop_ids=frozenset({3, 17}), pad_id=0, temperature=temperature, top_p=top_p,
+        max_rows=rows, refill_every=4, engine=engine, max_context=128, **extra,
+    )  # fmt: skip
+    decode_continuous(model, source, settings)
+    return source.answers
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_answers_equal_the_reference_decoder(kind: str) -> None:
+    model = tiny(kind)
+    reference = run(model, "reference")
+    assert len(reference) == 12 and any(0 < len(a) < 10 for a in reference.values()), (
+        "stops must be exercised"
+    )
+    assert run(model, "engine") == reference
+    # More rows than requests at once, and one row at a time: refills do not change an answer.
+    assert run(model, "engine", rows=16) == reference
+    assert run(model, "engine", rows=1) == reference
+
+
+def test_sampled_answers_follow_the_same_per_row_streams() -> None:
+    model = tiny("llama", seed=1)
+    reference = run(model, "reference", temperature=0.9, top_p=0.8)
+    assert run(model, "engine", temperature=0.9, top_p=0.8) == reference
+    assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5) == reference
+    assert reference != run(model, "reference"), "sampling must differ from greedy here"
+
+
+def test_decode_batch_takes_the_engine_on_request() -> None:
+    model = tiny("qwen3")
+    prompts = [[1, 2, 3, 4], [8], [30, 31]]
+    want = decode_batch(model, prompts, max_new_tokens=6, stop_ids={3}, pad_id=0, engine="reference")
+    assert decode_batch(model, prompts, max_new_tokens=6, stop_ids={3}, pad_id=0, engine="engine") == want
+
+
+def test_the_choice_of_decoder() -> None:
+    llama = tiny("llama")
+    assert chosen_engine(llama, "auto") == "reference"  # CPU: the reference decoder
+    assert chosen_engine(llama, "engine") == "engine"
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)).eval()
+    assert "model_type 'gpt2'" in unsupported_reason(gpt2)
+    with pytest.raises(ValueError, match="cannot run GPT2LMHeadModel: model_type 'gpt2'"):
+        chosen_engine(gpt2, "engine")
+    with pytest.raises(ValueError, match="unknown decoder 'fast'"):
+        chosen_engine(llama, "fast")
+    windowed = LlamaForCausalLM(LlamaConfig(**DIMS))
+    windowed.config.model_type = "mistral"
+    windowed.config.sliding_window = 16
+    assert unsupported_reason(windowed) == "it uses sliding-window attention"
+
+
+def test_a_request_longer_than_the_context_is_refused() -> None:
+    source = Conversations([[1] * 125], turns=1)
+    settings = DecodeSettings(
+        max_new_tokens=10, stop_ids=frozenset({3}), pad_id=0, engine="engine", max_context=128
+    )
+    with pytest.raises(
+        ValueError, match="a prompt of 125 tokens plus 10 new ones exceeds the engine's max_context 128"
+    ):
+        decode_continuous(tiny("llama"), source, settings)
+
+
+def test_reference_attention_is_masked_scaled_dot_product_attention() -> None:
+    """The plain version the kernel is checked against, against SDPA over each slot's visible columns."""
+    torch.manual_seed(0)
+    slots, heads, kv_heads, capacity, dim = 4, 6, 2, 40, 16
+    query = torch.randn(slots, heads, dim, dtype=torch.float64)
+    keys = torch.randn(slots, kv_heads, capacity, dim, dtype=torch.float64)
+    values = torch.randn(slots, kv_heads, capacity, dim, dtype=torch.float64)
+    lengths = torch.tensor([1, 17, 39, 40])
+    got = reference_decode_attention(query, keys, values, lengths, 0.3)
+    for slot, n in enumerate(lengths.tolist()):
+        k = keys[slot, :, :n].repeat_interleave(heads // kv_heads, dim=0)
+        v = values[slot, :, :n].repeat_interleave(heads // kv_heads, dim=0)
+        want = F.scaled_dot_product_attention(query[slot, :, None], k, v, scale=0.3)[:, 0]
+        torch.testing.assert_close(got[slot], want)
+
+
+@cuda
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 128), (8, 8, 64)])
+def test_the_kernel_matches_the_reference(heads: int, kv_heads: int, dim: int) -> None:
+    torch.manual_seed(0)
+    slots, capacity = 37, 300
+    lengths = torch.randint(1, capacity + 1, (slots,), device="cuda")
+    lengths[:4] = torch.tensor([1, 63, 64, 65])
+    query = torch.randn(slots, heads, dim, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(slots, kv_heads, capacity, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn(slots, kv_heads, capacity, dim, device="cuda", dtype=torch.bfloat16)
+    # Columns past each length hold NaN: the kernel must never read them.
+    past = torch.arange(capacity, device="cuda")[None, :] >= lengths[:, None]
+    keys.masked_fill_(past[:, None, :, None], float("nan"))
+    values.masked_fill_(past[:, None, :, None], float("nan"))
+    got = decode_attention(query, keys, values, lengths, dim**-0.5)
+    want = reference_decode_attention(
+        query.double(), keys.nan_to_num().double(), values.nan_to_num().double(), lengths, dim**-0.5
+    )
+    error = (got.double() - want).norm() / want.norm()
+    assert error < 1e-2, error
+
+
+@cuda
+def test_on_the_gpu_graphs_change_nothing_and_bf16_follows_the_reference() -> None:
+    model = tiny("llama").cuda()
+    assert chosen_engine(model, "auto") == "engine"
+    fp32 = run(model, "reference")
+    assert run(model, "engine", cuda_graphs=True) == fp32 == run(model, "engine", cuda_graphs=False)
+    assert run(model, "engine", temperature=0.9, top_p=0.8) == run(
+        model, "reference", temperature=0.9, top_p=0.8
+    )
+    model = model.to(torch.bfloat16)
+    graphs, eager = run(model, "engine", rows=6), run(model, "engine", rows=6, cuda_graphs=False)
+    assert graphs == eager
+
+
+@cuda
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5])
+def test_the_sampling_kernel_picks_what_the_reference_picks(top_p: float) -> None:
+    from eaglet.generation import sampling, sampling_kernel
+
+    torch.manual_seed(0)
+    rows, vocab = 512, 49152
+    logits = torch.randn(rows, vocab, device="cuda") * 3  # float32: bf16 ties would blur the nucleus edge
+    seeds = torch.randint(0, 2**31, (rows,), device="cuda")
+    steps = torch.randint(0, 600, (rows,), device="cuda")
+    got = sampling_kernel.sample_rows(logits, temperature=0.7, top_p=top_p, seeds=seeds, steps=steps)
+    want = sampling.pick_next(
+        logits.cpu(), temperature=0.7, top_p=top_p, seeds=seeds.cpu(), steps=steps.cpu()
+    )
+    # Only scores equal to float32's last bits may part (exp and log are not bit-equal between libraries).
+    assert (got.cpu() == want).float().mean() >= 0.99
