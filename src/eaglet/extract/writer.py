@@ -16,25 +16,52 @@ import torch
 
 from eaglet.shards import Manifest, SequenceFeatures, ShardInfo, write_manifest, write_shard
 
+# Features waiting for a writer, at most. The forward waits only when the disk falls this far behind; host
+# memory peaks near twice this (a writer packs a shard into one buffer before it writes), plus the shard
+# being gathered. 4 GiB holds about 2 Llama-3.1-8B shards of 65,536 tokens (32.8 KB a token).
+MAX_BYTES_IN_FLIGHT = 4 << 30
+# Writers at once: hashing (about 1.5 GB/s a core) and page-cache writes of one shard take a core each, so a
+# few threads keep up with a GPU's 1 GB/s of features; file I/O, hashing and torch's copies release the GIL.
+WRITERS = 4
+
 
 class ShardWriterPool:
-    """`submit` returns at once while fewer than `workers` shards are in flight, else waits for the oldest."""
+    """`submit` returns at once while the shards in flight hold at most `max_bytes` of features, else waits
+    for the oldest; finished shards are recorded, in submission order, at every submit."""
 
-    def __init__(self, out_dir: Path, manifest: Manifest, dtype: torch.dtype, workers: int = 2) -> None:
-        self.out_dir, self.manifest, self.dtype, self.workers = out_dir, manifest, dtype, workers
+    def __init__(
+        self,
+        out_dir: Path,
+        manifest: Manifest,
+        dtype: torch.dtype,
+        workers: int = WRITERS,
+        max_bytes: int = MAX_BYTES_IN_FLIGHT,
+    ) -> None:
+        self.out_dir, self.manifest, self.dtype, self.max_bytes = out_dir, manifest, dtype, max_bytes
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-writer")
-        self._pending: deque[tuple[int, Future[ShardInfo]]] = deque()
+        self._pending: deque[tuple[int, int, Future[ShardInfo]]] = deque()
+        self._bytes = 0
 
     def submit(self, index: int, sequences: Sequence[SequenceFeatures]) -> None:
-        """Write shard `index`: a recorded one again, or the one after the last recorded."""
-        while len(self._pending) >= self.workers:
+        """Write shard `index`: a recorded one again, or the one after the last recorded.
+
+        A writer's error (a full disk, say) is raised here, by the first submit or close after it.
+        """
+        while self._pending and self._pending[0][2].done():
+            self._commit_oldest()
+        size = sum(_nbytes(seq) for seq in sequences)
+        # One shard larger than the limit still goes, alone.
+        while self._pending and self._bytes + size > self.max_bytes:
             self._commit_oldest()
         future = self._pool.submit(write_shard, self.out_dir, index, sequences, self.dtype)
-        self._pending.append((index, future))
+        self._pending.append((index, size, future))
+        self._bytes += size
 
     def _commit_oldest(self) -> None:
-        index, future = self._pending.popleft()
+        index, size, future = self._pending[0]
         info = future.result()  # re-raises a writer's error here, in the caller
+        self._pending.popleft()
+        self._bytes -= size
         shards = self.manifest.shards
         if index < len(shards):
             shards[index] = info
@@ -58,3 +85,8 @@ class ShardWriterPool:
             self.close()
         else:  # leave what is durable; record nothing further
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _nbytes(seq: SequenceFeatures) -> int:
+    tensors = (seq.input_ids, seq.loss_mask, seq.aux_hidden_states, seq.last_hidden_state)
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -114,14 +114,19 @@ def capture_hidden_states(
     model: nn.Module,
     parts: TargetParts,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     aux_layer_ids: Sequence[int],
 ) -> CapturedBatch:
     """Run the model once over a right-padded batch [B, S] and return its captured states.
 
-    States at padded positions are meaningless; callers keep only positions where attention_mask is 1.
+    States at padded positions are meaningless; callers keep only each row's real (leading) positions.
+    `attention_mask=None` runs the forward without a mask: under the causal mask a real token never attends to
+    the pads after it and positions stay 0..n-1, so the states at real positions are those of the masked
+    forward, and attention takes SDPA's mask-free (flash) path. It also spares the check below, which reads
+    the mask on the host (a device sync for a mask on the GPU): callers that build right-padded rows
+    themselves, like extraction, pass None.
     """
-    if (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+    if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
         raise ValueError("attention_mask must be right-padded (each row: ones, then zeros)")
     with HiddenStateCapture(parts, aux_layer_ids) as capture:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **_one_logit_kwargs(model))

@@ -1,0 +1,67 @@
+"""benchmarks/bench_extract.py: a tiny run times the bare forward, the real extraction loop and the disk, and
+records where the shards went."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_extract  # noqa: E402
+
+
+def test_tiny_run_records_one_row(
+    tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    bench_file = tmp_path / "BENCH.md"
+    monkeypatch.setattr(bench_extract, "BENCH_FILE", bench_file)
+    out = tmp_path / "shards"
+    bench_extract.main(
+        ["model=tiny_llama", f"paths.cache_dir={model_cache}", "bench.tokens=600", "bench.batch_tokens=256",
+         "bench.shard_tokens=300", "bench.min_len=20", "bench.max_len=200", "bench.repeats=1",
+         f"bench.disk_bytes={1 << 20}", f"bench.out_dir={out}"]
+    )  # fmt: skip
+    header, rule, row = [line for line in bench_file.read_text().splitlines() if line.startswith("|")]
+    cells = dict(zip(header.strip("|").split(" | "), row.strip("|").split(" | "), strict=True))
+    cells = {name.strip(): value.strip() for name, value in cells.items()}
+    assert cells["shards in"] == f"{out} ({bench_extract.filesystem(out)})"
+    assert cells["shard tokens"] == "300" and cells["batch tokens"] == "256"
+    bare, extract, bound = (float(cells[k].replace(",", "")) for k in ("bare forward tok/s", "extraction tok/s",
+                                                                       "min(bare, disk) tok/s"))  # fmt: skip
+    assert bare > 0 and extract > 0 and 0 < bound <= bare
+    assert cells["extraction / min"] == f"{extract / bound:.1%}"
+    assert float(cells["bytes/token on disk"].replace(",", "")) > 4 * 64 * 2  # (n_aux + 1) x H x bf16
+    assert out.is_dir() and not any(
+        out.iterdir()
+    )  # the shards and the disk probe are removed, the folder kept
+    assert row in capsys.readouterr().out
+
+
+def test_without_record_nothing_is_appended(
+    tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench_file = tmp_path / "BENCH.md"
+    monkeypatch.setattr(bench_extract, "BENCH_FILE", bench_file)
+    monkeypatch.setattr(bench_extract.tempfile, "tempdir", str(tmp_path))
+    bench_extract.main(
+        ["model=tiny_llama", f"paths.cache_dir={model_cache}", "bench.tokens=200", "bench.batch_tokens=256",
+         "bench.min_len=20", "bench.max_len=100", "bench.repeats=1", f"bench.disk_bytes={1 << 16}",
+         "bench.record=0"]
+    )  # fmt: skip
+    assert not bench_file.exists()
+    assert list(tmp_path.iterdir()) == []  # the default temporary folder is removed
+
+
+def test_unknown_bench_options_are_refused() -> None:
+    with pytest.raises(SystemExit, match="bench.token: unknown"):
+        bench_extract.parse(["bench.token=5"])
+    opts, overrides = bench_extract.parse(["bench.out_dir=/dev/shm/x", "bench.batch_tokens=64", "model=m"])
+    assert opts["out_dir"] == "/dev/shm/x" and opts["shard_tokens"] == 64 and overrides == ["model=m"]
+
+
+def test_filesystem_of_a_path() -> None:
+    assert bench_extract.filesystem(Path("/proc/self")) in {"proc", "?"}
