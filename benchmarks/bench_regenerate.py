@@ -264,7 +264,10 @@ def compare_decoders(model, tokenizer, conversations: list[Conversation], opts: 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     common = {"max_new_tokens": opts["max_new_tokens"], "stop_ids": {eos}, "pad_id": pad}
     reference = decode_batch(model, prompts, engine="reference", **common)
-    engine = decode_batch(model, prompts, engine="engine", **common)
+    # The engine as regeneration runs it (rows, compiled step): the same arithmetic as the timed rows.
+    engine = decode_batch(
+        model, prompts, engine="engine", max_rows=opts["batch_size"], compile=bool(opts["compile"]), **common
+    )
     differ, near_ties, widest = 0, 0, 0.0
     device = next(model.parameters()).device
     for prompt, ours, theirs in zip(prompts, engine, reference, strict=True):
@@ -330,9 +333,12 @@ def main(argv: list[str]) -> None:
     if unknown:
         sys.exit(f"unknown scheduler {unknown}; the schedulers are {', '.join(SCHEDULERS)}")
     model, tokenizer = target.model, target.tokenizer
-    # Warm-up: kernels, allocator, tokenizer caches (the engine captures its graph again in each run).
+    # Warm-up: kernels, allocator, tokenizer caches, and the engine's compiled step (compiled once per shape:
+    # the same rows as the timed runs; the time it took is printed). Each run captures its graph again.
     for name in chosen:
-        SCHEDULERS[name](model, tokenizer, conversations[:2], {**opts, "max_new_tokens": 4, "batch_size": 2})
+        start = time.perf_counter()
+        SCHEDULERS[name](model, tokenizer, conversations[:2], {**opts, "max_new_tokens": 4})
+        print(f"{name}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
     if opts["profile"]:
         profile_engine(model, tokenizer, conversations, opts)
     results = {}

@@ -73,10 +73,13 @@ def decode_batch(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     engine: str = "auto",
+    max_rows: int | None = None,
+    compile: bool = False,
 ) -> list[list[int]]:
     """New token ids for each prompt, each ending at the first stop id (excluded).
 
     Greedy when temperature is 0; otherwise each prompt samples from its own stream, seeded from `generator`.
+    `max_rows` rows decode at once (default: every prompt); `compile` is the engine's DecodeSettings.compile.
     """
     base = 0
     if generator is not None:
@@ -88,8 +91,9 @@ def decode_batch(
         pad_id=pad_id,
         temperature=temperature,
         top_p=top_p,
-        max_rows=max(1, len(prompts)),
+        max_rows=max_rows or max(1, len(prompts)),
         engine=engine,
+        compile=compile,
         max_context=max((len(p) for p in prompts), default=0) + max_new_tokens,
     )
     decode_continuous(model, source, settings)
