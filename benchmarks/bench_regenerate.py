@@ -48,6 +48,8 @@ BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.m
 DEFAULTS = {
     "conversations": 64,
     "min_user_turns": 2,
+    # Conversations cut after this many user turns (0: whole): 1 measures answers that need no earlier answer.
+    "max_user_turns": 0,
     "max_new_tokens": 64,
     "batch_size": 16,
     "refill_every": 16,
@@ -220,6 +222,16 @@ def regenerate(
     return [list(c.turns) for c in out], stats.generated_tokens
 
 
+def first_user_turns(conv: Conversation, count: int) -> Conversation:
+    """`conv` up to (not including) its user turn number `count` + 1."""
+    groups = user_turn_groups(conv)
+    if len(groups) <= count:
+        return conv
+    first_cut = groups[count][0]
+    cut = next(i for i, turn in enumerate(conv.turns) if turn is first_cut)
+    return replace(conv, turns=conv.turns[:cut])
+
+
 def first_turn_prompts(tokenizer, conversations: list[Conversation], opts: dict) -> list[list[int]]:
     """The prompt of each conversation's first user turn, where it leaves room for the answer."""
     prompts = [build_prompt_ids(tokenizer, user_turn_groups(c)[0]) for c in conversations]
@@ -328,6 +340,8 @@ def main(argv: list[str]) -> None:
     conversations = pick_conversations(
         Path(cfg.paths.shared_data), opts["conversations"], opts["min_user_turns"]
     )
+    if opts["max_user_turns"]:
+        conversations = [first_user_turns(c, opts["max_user_turns"]) for c in conversations]
     chosen = opts["schedulers"].split(",")
     unknown = [name for name in chosen if name not in SCHEDULERS]
     if unknown:

@@ -47,8 +47,10 @@ def regenerate_in_process(
     done = read_finished(out_path, {c.id: prompt_hash(c) for c in conversations})
     stats.resumed = len(done)
     pending = [c for c in conversations if c.id not in done]
-    # Similar lengths start together (little padding); the order, and so the schedule, is deterministic.
-    pending.sort(key=lambda c: (len(c.turns[0].content), c.id))
+    # Conversations with more user turns start first: their answers come one after another, so a long one
+    # started late would decode alone at the end. Then similar lengths together (little padding). The order,
+    # and so the schedule, is deterministic.
+    pending.sort(key=lambda c: (-len(user_turn_groups(c)), len(c.turns[0].content), c.id))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     settings = DecodeSettings(
         max_new_tokens=cfg.max_new_tokens,

@@ -112,6 +112,8 @@ class _Engine:
         index = torch.tensor(done, device=self.device)
         rows = self.out[index, : max(lengths)].tolist()
         self.active[index] = 0
+        # A free slot still decodes; at position 0 its attention reads one column, not its old context.
+        self.positions[index] = 0
         finished = [
             (self.busy.pop(slot).request, tokens[:length])
             for slot, tokens, length in zip(done, rows, lengths, strict=True)
