@@ -74,6 +74,7 @@ class _Engine:
         self.out = torch.zeros((self.slots, settings.max_new_tokens + settings.refill_every), **long)
         self.stops = torch.tensor(sorted(settings.stop_ids), **long)
         self.busy: dict[int, _Slot] = {}
+        self.steps = self.windows = self.kept_tokens = 0  # for the summary line
         self.graph = self._capture() if device.type == "cuda" and settings.cuda_graphs else None
 
     def run(self, source: WorkSource) -> None:
@@ -90,6 +91,7 @@ class _Engine:
                 free = [slot for slot in range(self.slots) if slot not in self.busy]
                 incoming = source.take(len(free))
             if not incoming and not self.busy:
+                self._summary()
                 return
             if incoming:
                 with record_function("engine.prefill"):
@@ -118,6 +120,7 @@ class _Engine:
             (self.busy.pop(slot).request, tokens[:length])
             for slot, tokens, length in zip(done, rows, lengths, strict=True)
         ]
+        self.kept_tokens += sum(max(0, n - 1) for n in lengths)  # the first token came from the prefill
         return finished
 
     def _launch_window(self) -> None:
@@ -133,6 +136,17 @@ class _Engine:
                 self._step()
         for slot in self.busy.values():
             slot.generated += steps
+        self.steps += steps
+        self.windows += 1
+
+    def _summary(self) -> None:
+        """One line on how full the rows were: decode steps are paid for every row, busy or not."""
+        if self.steps:
+            share = self.kept_tokens / (self.steps * self.slots)
+            print(
+                f"generation engine: {self.steps:,} steps of {self.slots:,} rows in {self.windows:,} windows; "
+                f"{share:.0%} of the row-steps made a kept token (the rest: free rows, tokens after a stop)"
+            )
 
     def _step(self) -> None:
         """One decode step of every slot, written in place (captured as the graph)."""
