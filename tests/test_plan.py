@@ -20,7 +20,12 @@ from eaglet.plan.benchmarks import number, parse_benchmarks
 from eaglet.plan.configs import default_plan, load_draft, load_hardware, load_model
 from eaglet.plan.data_size import DataSize, estimate_data_size
 from eaglet.plan.disk import ITEMSIZE, estimate_disk, shard_bytes_per_token
-from eaglet.plan.extraction import prefill_seconds_per_token
+from eaglet.plan.extraction import (
+    estimate_extraction,
+    estimate_regeneration,
+    place_target,
+    prefill_seconds_per_token,
+)
 from eaglet.plan.serving import predicted_speedup, serving_point
 from eaglet.plan.target_cost import expected_distinct_experts, forward_weight_bytes, ring_allreduce_seconds
 from eaglet.plan.training import (
@@ -278,6 +283,72 @@ def test_extraction_allreduce_scales_with_the_link():
     assert pcie / nvlink == pytest.approx(900 / 50)
     # 2 per layer of H bf16 activations, ring over 8 devices at 50 GB/s.
     assert pcie == pytest.approx(2 * 61 * 2 * 7 / 8 * 7168 * 2 / 50e9)
+
+
+def calibrated(**overrides) -> PlanConfig:
+    plan = default_plan()
+    return dataclasses.replace(plan, calibration=dataclasses.replace(plan.calibration, **overrides))
+
+
+def sized(
+    tokens: float = 100.0, generated: float = 0.0, prefill: float = 0.0, context: float = 0.0
+) -> DataSize:
+    return DataSize(conversations=1, tokens=tokens, loss_fraction=1.0, mean_context=context,
+                    generated_tokens=generated, prefill_tokens=prefill, source="test")  # fmt: skip
+
+
+def test_extraction_stores_beside_the_forward():
+    # 200 FLOPs a token at 1 kFLOP/s × 0.5: a 0.4 s forward. 69 shard bytes a token (3 aux + last, H 8, bf16,
+    # + 5): 0.25 s at the host's 276 B/s; the forward waits for 40% of it.
+    model = tiny_model(hidden_size=8)
+    plan = calibrated(prefill_efficiency=0.5, host_store_gbs=276e-9, store_exposed_share=0.4)
+    fast_disk = one_device(bf16_tflops=1e-9, disk_write_gbs=1e3)
+    estimate = estimate_extraction(
+        model, fast_disk, place_target(model, fast_disk, plan), sized(), plan, "bfloat16"
+    )
+    assert (estimate.forward, estimate.host_store) == pytest.approx((0.4, 0.25))
+    assert estimate.store == estimate.host_store  # a disk faster than the host stores no faster than the host
+    assert estimate.seconds_per_token == pytest.approx(0.4 + 0.4 * 0.25)  # not 0.4 + 0.25: they overlap
+    assert estimate.tokens_per_second == pytest.approx(2.0) and estimate.bottleneck == "forward"
+    # Two replicas on one 69 B/s disk: each writes at half of it, 2 s a token, longer than its forward side
+    # (0.4 + 0.4 · 2): the machine stores at the disk's rate, one token a second.
+    two = one_device(devices=2, bf16_tflops=1e-9, disk_write_gbs=69e-9)
+    slow = estimate_extraction(model, two, place_target(model, two, plan), sized(), plan, "bfloat16")
+    assert (slow.replicas, slow.disk, slow.seconds_per_token) == (2, pytest.approx(2.0), pytest.approx(2.0))
+    assert slow.tokens_per_second == pytest.approx(1.0) and slow.bottleneck == "disk"
+    # No disk rate in the hardware config: the calibrated default.
+    unknown = one_device(bf16_tflops=1e-9)
+    assumed = estimate_extraction(
+        model, unknown, place_target(model, unknown, plan), sized(), plan, "bfloat16"
+    )
+    assert assumed.disk_assumed and assumed.disk_write_gbs == plan.calibration.disk_write_gbs
+    with pytest.raises(ConfigError, match="store_exposed_share must be >= 0"):
+        bad = calibrated(store_exposed_share=-0.1)
+        estimate_extraction(model, fast_disk, place_target(model, fast_disk, bad), sized(), bad, "bfloat16")
+
+
+def test_regeneration_runs_at_the_loop_share_of_its_steps():
+    # One device of 1 kB/s at full bandwidth, compute plenty: a step over 2 sequences reads the 200 weight bytes
+    # and 2 × 10 tokens of KV cache (2 · 2 · 4 bf16 values · 2 layers = 32 B each): 0.84 s for 2 new tokens.
+    model = tiny_model()
+    hardware = one_device(memory_bandwidth_gbs=1e-6, bf16_tflops=1e6)
+
+    def plan_at(loop: float) -> PlanConfig:
+        shares = calibrated(decode_bandwidth_efficiency=1.0, regeneration_loop_efficiency=loop)
+        return dataclasses.replace(shares, regenerate_batch_size=2)
+
+    plan = plan_at(1.0)
+    data = sized(generated=100.0, context=10.0)
+    steps = estimate_regeneration(model, hardware, place_target(model, hardware, plan), data, plan)
+    assert steps.batch == 2 and steps.step_tokens_per_second == pytest.approx(2 / 0.84)
+    assert steps.seconds == pytest.approx(steps.prefill_seconds + 100 * 0.84 / 2)
+    quarter = plan_at(0.25)
+    loop = estimate_regeneration(model, hardware, place_target(model, hardware, quarter), data, quarter)
+    assert loop.seconds == pytest.approx(4 * steps.seconds)
+    for bad in (0.0, 1.5):
+        broken = plan_at(bad)
+        with pytest.raises(ConfigError, match="regeneration_loop_efficiency must lie in"):
+            estimate_regeneration(model, hardware, place_target(model, hardware, broken), data, broken)
 
 
 def test_acceptance_curve(tmp_path: Path):

@@ -374,11 +374,19 @@ class PlanCalibrationConfig:
     training_bandwidth_efficiency: float = MISSING
     # Keys a training attention query visits on GPUs: "row" (the whole packed micro-batch) or "document".
     training_attention: AttentionKeys = MISSING
+    # Share of datasheet bf16 reached by the target's forward over packed extraction batches.
     prefill_efficiency: float = MISSING
+    # Extraction: one replica's storing rate when the filesystem costs nothing (tmpfs), GB/s.
     host_store_gbs: float = MISSING
+    # Extraction: share of the storing time the forward still waits for (storing runs beside it).
+    store_exposed_share: float = MISSING
+    # Shard disk write rate (GB/s, with fsync) where the hardware config gives none.
     disk_write_gbs: float = MISSING
+    # Decode (regeneration, serving): shares of datasheet bandwidth and bf16 one decode step reaches.
     decode_bandwidth_efficiency: float = MISSING
     decode_compute_efficiency: float = MISSING
+    # Regeneration end to end: the share of its decode steps' rate the whole loop reaches.
+    regeneration_loop_efficiency: float = MISSING
     pcie_allreduce_share: float = MISSING
     pcie_allreduce_model: str = MISSING
     pcie_allreduce_hardware: str = MISSING

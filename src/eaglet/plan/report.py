@@ -123,7 +123,10 @@ def time_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
         r = p.regeneration
         if r is None:
             return "—"
-        return f"{_hours(r.seconds)} (decode {_rate(r.decode_tokens_per_second)}, batch {r.batch}/replica)"
+        return (
+            f"{_hours(r.seconds)} (decode steps {_rate(r.step_tokens_per_second)}, the loop at "
+            f"{r.loop_efficiency:.0%} of them; batch {r.batch}/replica)"
+        )
 
     def extraction(p: HardwarePlan) -> str:
         e = p.extraction
@@ -217,13 +220,16 @@ def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
         ),
         (
             "extraction",
-            f"forward at {cal.prefill_efficiency:.1%} of datasheet bf16, storing at {cal.host_store_gbs:g} GB/s per "
-            f"replica, disk {cal.disk_write_gbs:g} GB/s where the hardware gives none (H200 extraction rows)",
+            f"forward at {cal.prefill_efficiency:.1%} of datasheet bf16; storing beside it at the slower of "
+            f"{cal.host_store_gbs:g} GB/s per replica and the disk ({cal.disk_write_gbs:g} GB/s where the hardware "
+            f"gives none), the forward waiting for {cal.store_exposed_share:.0%} of the storing time (H200 "
+            "extraction rows)",
         ),
         (
             "decode",
-            f"{cal.decode_bandwidth_efficiency:.0%} of datasheet bandwidth, {cal.decode_compute_efficiency:.0%} of "
-            "bf16 (assumed); verification reads each distinct expert E·(1−(1−k/E)^n)",
+            f"{cal.decode_bandwidth_efficiency:.1%} of datasheet bandwidth (the H200 decode-step row), "
+            f"{cal.decode_compute_efficiency:.0%} of bf16 (assumed); verification reads each distinct expert "
+            "E·(1−(1−k/E)^n)",
         ),
         (
             "all-reduce",
@@ -234,7 +240,8 @@ def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
         ("weights in memory", f"at most {plan.weight_memory_fraction:.0%} of device memory"),
         (
             "regeneration",
-            f"{plan.regenerate_batch_size} sequences per replica (fewer if the KV cache does not fit)",
+            f"{plan.regenerate_batch_size} sequences per replica (fewer if the KV cache does not fit); the loop at "
+            f"{cal.regeneration_loop_efficiency:.1%} of its decode steps' rate (the H200 data stage, a 135M target)",
         ),
         (
             "tokens from text",

@@ -1,0 +1,124 @@
+"""benchmarks/check_planner.py: which benchmark rows it reads, and how it reads them (the check itself runs in
+tests/test_plan.py::test_check_planner_meets_its_goal)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import check_planner  # noqa: E402
+from bench_extract import make_samples  # noqa: E402
+from bench_extract import parse as parse_extract  # noqa: E402
+
+from eaglet.errors import DataError  # noqa: E402
+from eaglet.plan.benchmarks import BenchTable, parse_benchmarks  # noqa: E402
+from eaglet.plan.configs import default_plan, load_hardware  # noqa: E402
+
+OLD_COLUMNS = (
+    "| date | machine | target | tokens | bare forward tok/s | extraction tok/s | bytes/token on disk |"
+)
+NEW_COLUMNS = (
+    "| date | machine | target | tokens | shards in | bare forward tok/s | disk write MB/s (tok/s) "
+    "| extraction tok/s | bytes/token on disk |"
+)
+
+
+def rule(header: str) -> str:
+    return "|" + "---|" * (header.count("|") - 1)
+
+
+def one_table(tmp_path: Path, text: str) -> BenchTable:
+    path = tmp_path / "B.md"
+    path.write_text(text)
+    (table,) = parse_benchmarks(path)
+    return table
+
+
+def extraction_file(tmp_path: Path, tokens: int) -> Path:
+    """Two older rows (tmpfs by the TMPDIR prefix, disk), then the new pipeline on tmpfs and on disk."""
+    args = "model=smollm2_135m bench.tokens=300 bench.min_len=20 bench.max_len=100"
+    old = f"| 2026-11-29 | GPU | t | {tokens:,} | 100 | 50 | 69.0 |"
+    md = tmp_path / "B.md"
+    md.write_text(
+        "## NVIDIA H200 (stand-ins)\n\n"
+        f"### Extraction throughput — `TMPDIR=/dev/shm python benchmarks/bench_extract.py {args}` (shards on tmpfs)\n\n"
+        f"{OLD_COLUMNS}\n{rule(OLD_COLUMNS)}\n{old}\n\n"
+        f"### Extraction throughput — `python benchmarks/bench_extract.py {args}` (background writers; on disk)\n\n"
+        f"{OLD_COLUMNS}\n{rule(OLD_COLUMNS)}\n{old}\n\n"
+        f"### Extraction throughput — `TMPDIR=/dev/shm python benchmarks/bench_extract.py {args}`\n\n"
+        f"{NEW_COLUMNS}\n{rule(NEW_COLUMNS)}\n"
+        f"| 2026-12-03 | GPU | t | {tokens:,} | /dev/shm (tmpfs) | 100 | 2,370 (72,316) | 80 | 69.0 |\n\n"
+        f"### Extraction throughput — `python benchmarks/bench_extract.py {args} bench.out_dir=/root/shards`\n\n"
+        f"{NEW_COLUMNS}\n{rule(NEW_COLUMNS)}\n"
+        f"| 2026-12-03 | GPU | t | {tokens:,} | /root/shards (ext4) | 100 | 1,394 (42,550) | 64 | 69.0 |\n"
+    )
+    return md
+
+
+def test_extraction_rows_of_the_new_pipeline(tmp_path: Path):
+    opts, _ = parse_extract(["bench.tokens=300", "bench.min_len=20", "bench.max_len=100"])
+    tokens = sum(s.num_tokens for s in make_samples(49152, opts))
+    tables = parse_benchmarks(extraction_file(tmp_path, tokens))
+    rows, left_out = check_planner.extraction_rows(tables)
+    assert rows["tmpfs"].write_gbs == pytest.approx(2.37) and rows["disk"].write_gbs == pytest.approx(1.394)
+    # The older rows: where their shards went from the TMPDIR prefix, left out as the previous pipeline.
+    assert [text.split(",")[0] for text in left_out] == [
+        "extraction on tmpfs of 2026-11-29",
+        "extraction on disk of 2026-11-29",
+    ]
+    assert all("previous pipeline" in text for text in left_out)
+    # bench.out_dir is a path, not a number: the row's documents are rebuilt with bench_extract's own options.
+    model, data, per_token = rows["disk"].setup()
+    assert (model.name, data.tokens, per_token) == ("smollm2_135m", tokens, 69.0)
+    with pytest.raises(DataError, match="on tmpfs and on disk"):
+        check_planner.extraction_rows([t for t in tables if "out_dir" not in t.command])
+
+
+def test_data_stage_cells_are_read(tmp_path: Path):
+    md_table = one_table(
+        tmp_path,
+        "## NVIDIA H200\n\n### Regeneration and extraction at scale — `python extract.py experiments=x`\n\n"
+        "2026-12-03, one NVIDIA H200 (torch 2, transformers 5), embedded SmolLM2, bf16, greedy.\n\n"
+        "| stage | work | seconds | rate |\n|---|---|---|---|\n"
+        "| regeneration | 18,113 assistant turns, 5,587,522 new tokens (848 cut) | 142.5 (incl. ~40 s compiling "
+        "the step) | 39,211 new tokens/s |\n"
+        "| extraction | 15,325 sequences, 7,067,319 tokens, 109 shards | 37.8 | 186,965 tokens/s |\n",
+    )
+    stage = check_planner.DataStage.of(md_table)
+    assert (stage.turns, stage.new_tokens, stage.sequences, stage.tokens) == (18113, 5587522, 15325, 7067319)
+    assert (stage.seconds, stage.compile_seconds) == (142.5, 40.0)
+    assert check_planner.ran_bits(md_table.text) == 16
+    assert (
+        check_planner._STAGE_MACHINE.match(md_table.text)["machine"]
+        == "NVIDIA H200 (torch 2, transformers 5)"
+    )
+    with pytest.raises(DataError, match="no dtype"):
+        check_planner.ran_bits("SmolLM2-135M (random)")
+
+
+def test_decode_step_reads_its_greedy_compiled_row(tmp_path: Path):
+    header = "| date | machine | shape | rows | context | sampling | compiled | ms/step | new tokens/s |"
+    table = one_table(
+        tmp_path,
+        "## NVIDIA H200\n\n### Decode step of the generation engine — `python benchmarks/bench_decode_step.py`\n\n"
+        f"{header}\n{rule(header)}\n"
+        "| d | GPU | SmolLM2-135M (random, bf16) | 1024 | 100-1300 | greedy | True | 5.96 | 171,822 |\n"
+        "| d | GPU | SmolLM2-135M (random, bf16) | 1024 | 100-1300 | 0.7/0.95 | True | 7.61 | 134,615 |\n",
+    )
+    cal = default_plan().calibration
+    result, (note, in_step), left_out = check_planner.check_decode_step(
+        [table], load_hardware("h200_x1"), cal
+    )
+    # 135M bf16 weights (270 MB) and 1,024 rows × 700.5 keys × 23,040 B (30 layers of 3 KV heads × 64, K and V,
+    # bf16): 16.8 GB a step in 5.96 ms, 58.7% of the H200's 4,800 GB/s.
+    implied = (0.135e9 * 2 + 1024 * 700.5 * 23040) / 5.96e-3 / 4800e9
+    assert f"implies {implied:.3g}" in note
+    assert result[2] == 171822 and result[4] == "calibration"
+    assert left_out == [
+        "decode step, sampling 0.7/0.95 (the planner's decode step is greedy: no sampling cost)"
+    ]
