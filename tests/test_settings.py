@@ -74,6 +74,11 @@ VALUE_CHECKS = [
         "plan.calibration.pcie_allreduce_batch_size must be >= 1",
     ),
     ("plan.calibration.nvlink_allreduce_us=-1", "plan.calibration.nvlink_allreduce_us must be >= 0"),
+    ("plan.calibration.store_exposed_share=-0.1", "plan.calibration.store_exposed_share must be >= 0"),
+    (
+        "plan.calibration.regeneration_loop_efficiency=1.5",
+        "plan.calibration.regeneration_loop_efficiency must lie in (0, 1]",
+    ),
 ]
 
 

@@ -282,6 +282,7 @@ def check_plan(plan: PlanConfig) -> None:
         "prefill_efficiency",
         "decode_bandwidth_efficiency",
         "decode_compute_efficiency",
+        "regeneration_loop_efficiency",
     )
     for key in shares:
         if not 0 < getattr(cal, key) <= 1:
@@ -293,3 +294,4 @@ def check_plan(plan: PlanConfig) -> None:
     positive("plan.calibration", {"host_store_gbs": cal.host_store_gbs, "disk_write_gbs": cal.disk_write_gbs})
     at_least("plan.calibration", {"pcie_allreduce_batch_size": cal.pcie_allreduce_batch_size}, 1)
     at_least("plan.calibration", {"nvlink_allreduce_us": cal.nvlink_allreduce_us}, 0)
+    at_least("plan.calibration", {"store_exposed_share": cal.store_exposed_share}, 0)

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eaglet.config.schema import HardwareConfig, ModelConfig, PlanConfig
-from eaglet.errors import ConfigError
 from eaglet.plan.data_size import DataSize
 from eaglet.plan.disk import shard_bytes_per_token
 from eaglet.plan.serving import target_step
@@ -128,8 +127,6 @@ def estimate_extraction(
     """Shards stored in `stored_dtype` (extract.dtype)."""
     assert placement.group is not None
     cal = plan.calibration
-    if cal.store_exposed_share < 0:  # checked here: eaglet.config.checks does not know this key yet
-        raise ConfigError(f"plan.calibration.store_exposed_share must be >= 0, got {cal.store_exposed_share}")
     forward, allreduce = prefill_seconds_per_token(model, hardware, placement.group, data.mean_context, plan)
     per_token = shard_bytes_per_token(model, stored_dtype)
     disk_gbs = hardware.disk_write_gbs or cal.disk_write_gbs
@@ -163,8 +160,6 @@ def estimate_regeneration(
 ) -> RegenerationEstimate:
     assert placement.group is not None
     loop = plan.calibration.regeneration_loop_efficiency
-    if not 0 < loop <= 1:  # checked here: eaglet.config.checks does not know this key yet
-        raise ConfigError(f"plan.calibration.regeneration_loop_efficiency must lie in (0, 1], got {loop}")
     group, replicas = placement.group, placement.replicas
     context = data.mean_context
     free = group * hardware.memory_gb_per_device * 1e9 - placement.weight_bytes
