@@ -227,3 +227,32 @@ def test_head_weights_are_cpu_copies(llama: LlamaForCausalLM) -> None:
     torch.testing.assert_close(weights["lm_head.weight"], llama.lm_head.weight)
     assert all(w.device.type == "cpu" for w in weights.values())
     assert weights["norm.weight"].data_ptr() != llama.model.norm.weight.data_ptr()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_mask_free_capture_runs_the_layers_itself_and_equals_the_models_forward(
+    model_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a mask, Llama-family targets skip transformers' forward (whose packed-sequence check syncs the
+    device) for the layers alone; the states are exactly those of the model's own forward."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from eaglet.target_model import capture
+
+    torch.manual_seed(1)
+    dims = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_class, model_class = kinds[model_type]
+    model = model_class(config_class(**dims, attn_implementation="sdpa")).eval().requires_grad_(False)
+    parts = find_target_parts(model)
+    input_ids = random_ids(3, 9, seed=4)
+    called = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: called.append(1))
+    direct = capture_hidden_states(model, parts, input_ids, None, AUX_IDS)
+    assert not called  # the model's own forward did not run
+    monkeypatch.undo()  # the model's own forward again
+    monkeypatch.setattr(capture, "_runs_layers_directly", lambda model: False)
+    through_forward = capture_hidden_states(model, parts, input_ids, None, AUX_IDS)
+    assert torch.equal(direct.aux_hidden_states, through_forward.aux_hidden_states)
+    assert torch.equal(direct.last_hidden_state, through_forward.last_hidden_state)

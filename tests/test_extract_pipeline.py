@@ -441,3 +441,27 @@ def test_cuda_launch_queues_work_without_a_host_sync(llama: LlamaForCausalLM) ->
     found = in_flight.collect(samples)
     assert sorted(found) == batch
     llama.to("cpu")
+
+
+@needs_cuda
+def test_cuda_launch_of_a_new_batch_size_does_not_wait_for_queued_work(llama: LlamaForCausalLM) -> None:
+    """A batch of a size not seen before is launched while the GPU is still busy: its inputs go through a
+    pinned staging buffer of one size (a fresh cudaHostAlloc would wait for the queued work; the sync debug
+    mode above does not see that wait, so this test keeps the GPU busy and checks the host returned first)."""
+    from eaglet.extract.transformers_backend import DeviceToHost, _upload_elements
+
+    target = as_target(llama, "cuda")
+    samples = make_samples(LENGTHS * 2, seed=3)
+    batches = [list(range(2)), list(range(2, 2 + len(LENGTHS))), list(range(len(samples)))]
+    copier = DeviceToHost(
+        target.device, HostBuffers(torch.bfloat16, sum(s.num_tokens for s in samples), pin=True)
+    )
+    copier.upload_elements = max(_upload_elements(samples, batch) for batch in batches)
+    _launch(target, samples, batches[0], AUX_IDS, torch.bfloat16, copier).collect(samples)  # warm-up
+    torch.cuda.synchronize()
+    for batch in batches[1:]:
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the launch
+        in_flight = _launch(target, samples, batch, AUX_IDS, torch.bfloat16, copier)
+        assert not torch.cuda.current_stream().query(), "the launch waited for the GPU's queued work"
+        assert sorted(in_flight.collect(samples)) == batch
+    llama.to("cpu")

@@ -3,13 +3,15 @@ planned shard's sequences go through the target in length-bucketed batches, thei
 
 The forward never waits for the host. Batches go through the target right-padded and without a mask (no
 host sync, SDPA's mask-free path); on CUDA batch i's states are packed (real tokens only) and cast on the GPU,
-then copied into a pinned buffer on a side stream while batch i+1's forward runs, and the host reads them
-only once that copy is done; shard writers serialise, hash and fsync on threads (writer.py).
+then copied into a pinned buffer on a side stream while the next forwards run, and the host reads them only
+once that copy is done, with QUEUED_FORWARDS forwards still queued; shard writers serialise, hash and fsync on
+threads (writer.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,11 @@ from eaglet.target_model import (
     load_target,
     resolve_aux_layer_ids,
 )
+
+# Forwards queued on the GPU while the host reads an earlier batch's states and hands them to the writers: with
+# two, the GPU still has a whole forward to run when the host's work for one batch (waiting for its copy,
+# moving it out of the pinned buffer, a writer's turn) takes longer than a forward.
+QUEUED_FORWARDS = 2
 
 
 def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
@@ -143,25 +150,26 @@ def batch_features(
     aux_ids: list[int],
     dtype: torch.dtype,
 ) -> Iterator[dict[int, SequenceFeatures]]:
-    """The features of each of `batches`, in order: batch i's are read on the host after batch i+1's forward
-    was launched. On CUDA the two overlap (see the module docstring); on CPU each runs in turn."""
-    copier = None
+    """The features of each of `batches`, in order. On CUDA batch i's are read on the host once the forwards of
+    batches i+1..i+QUEUED_FORWARDS are queued (see the module docstring); on CPU each runs in turn."""
+    copier, depth = None, 1
     if target.device.type == "cuda":
         largest = max(sum(samples[i].num_tokens for i in batch) for batch in batches)
         copier = DeviceToHost(target.device, HostBuffers(dtype, largest, pin=True))
-    in_flight = None
+        copier.upload_elements = max(_upload_elements(samples, batch) for batch in batches)
+        depth = QUEUED_FORWARDS
+    in_flight: deque[InFlight] = deque()
     for batch in batches:
-        launched = _launch(target, samples, batch, aux_ids, dtype, copier)
-        if in_flight is not None:
-            yield in_flight.collect(samples)
-        in_flight = launched
-    if in_flight is not None:
-        yield in_flight.collect(samples)
+        in_flight.append(_launch(target, samples, batch, aux_ids, dtype, copier))
+        if len(in_flight) > depth:
+            yield in_flight.popleft().collect(samples)
+    while in_flight:
+        yield in_flight.popleft().collect(samples)
 
 
 class HostBuffers:
     """Flat host buffers reused batch after batch, each room for `tokens` tokens (grown when a batch needs
-    more): pinning memory is slow and pinned memory scarce, so two buffers serve a whole run."""
+    more): pinning memory is slow and pinned memory scarce, so QUEUED_FORWARDS + 1 buffers serve a whole run."""
 
     def __init__(self, dtype: torch.dtype, tokens: int, *, pin: bool) -> None:
         self.dtype, self.tokens, self.pin = dtype, tokens, pin
@@ -186,9 +194,25 @@ class DeviceToHost:
     """Copies of a batch's states into pinned host buffers on a side stream: the compute stream goes on with
     the next forward while they cross."""
 
-    def __init__(self, device: torch.device, buffers: HostBuffers) -> None:
+    def __init__(self, device: torch.device, buffers: HostBuffers, upload_elements: int = 0) -> None:
         self.stream = torch.cuda.Stream(device)
         self.buffers = buffers
+        self.device = device
+        self.upload_elements = upload_elements
+
+    def upload(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`input_ids` and `positions` (host, int64) on the GPU, copied from pinned memory without waiting.
+
+        The pinned staging buffer has the same size every batch (the largest batch's): torch's pinned-memory
+        cache then serves it again once an earlier copy from it is done, where a buffer of a new size would
+        be a fresh cudaHostAlloc, which waits for the GPU to finish the forwards already queued.
+        """
+        ids, flat = input_ids.numel(), positions.numel()
+        staging = torch.empty(max(self.upload_elements, ids + flat), dtype=torch.long, pin_memory=True)
+        staging[:ids].copy_(input_ids.view(-1))
+        staging[ids : ids + flat].copy_(positions)
+        both = staging[: ids + flat].to(self.device, non_blocking=True)
+        return both[:ids].view(input_ids.shape), both[ids:]
 
     def start(self, aux: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, PendingCopy]:
         """Start copying `aux` [T, n_aux, H] and `last` [T, H] (on the GPU) to the host: their host tensors,
@@ -236,7 +260,7 @@ class InFlight:
         if self.copy is not None:
             self.copy.done.synchronize()
             size = aux.numel() + last.numel()
-            # Out of the pinned buffer, which the batch after the next reuses: one copy in host memory.
+            # Out of the pinned buffer, which a later batch reuses: one copy in host memory.
             moved = self.copy.buffer[:size].clone()
             self.copy.buffers.give(self.copy.buffer)
             self.copy = None
@@ -266,10 +290,9 @@ def _launch(
     """Queue batch `batch`'s forward and, with a `copier`, its copy to the host; returns without waiting."""
     input_ids, positions, lengths = right_padded(samples, batch, target.tokenizer.pad_token_id or 0)
     if copier is not None:
-        # From pinned memory the copies to the GPU are asynchronous; from pageable memory they wait.
-        input_ids, positions = input_ids.pin_memory(), positions.pin_memory()
-    input_ids = input_ids.to(target.device, non_blocking=True)
-    positions = positions.to(target.device, non_blocking=True)
+        input_ids, positions = copier.upload(input_ids, positions)
+    else:
+        input_ids, positions = input_ids.to(target.device), positions.to(target.device)
     captured = capture_hidden_states(target.model, target.parts, input_ids, None, aux_ids)
     # The real tokens only, cast on the device: no padding and fewer bytes cross to the host.
     aux = captured.aux_hidden_states.flatten(0, 1).index_select(0, positions).to(dtype)
@@ -278,6 +301,12 @@ def _launch(
         return InFlight(batch, lengths, aux, last)
     host_aux, host_last, copy = copier.start(aux, last)
     return InFlight(batch, lengths, host_aux, host_last, copy)
+
+
+def _upload_elements(samples: list[TokenizedConversation], batch: list[int]) -> int:
+    """int64 elements `_launch` uploads for `batch`: its right-padded ids and the flat index of its real tokens."""
+    lengths = [samples[i].num_tokens for i in batch]
+    return len(lengths) * max(lengths) + sum(lengths)
 
 
 def right_padded(

@@ -18,8 +18,10 @@ from eaglet.shards import Manifest, SequenceFeatures, ShardInfo, write_manifest,
 
 # Features waiting for a writer, at most. The forward waits only when the disk falls this far behind; host
 # memory peaks near twice this (a writer packs a shard into one buffer before it writes), plus the shard
-# being gathered. 4 GiB holds about 2 Llama-3.1-8B shards of 65,536 tokens (32.8 KB a token).
-MAX_BYTES_IN_FLIGHT = 4 << 30
+# being gathered. 8 GiB holds about 4 Llama-3.1-8B shards of 65,536 tokens (32.8 KB a token): a writer takes
+# about twice a forward's time for its shard (packing, serialising, hashing, 2026-12-03 on an H200), so with
+# 2 in flight the forward waited for the writers.
+MAX_BYTES_IN_FLIGHT = 8 << 30
 # Writers at once: hashing (about 1.5 GB/s a core) and page-cache writes of one shard take a core each, so a
 # few threads keep up with a GPU's 1 GB/s of features; file I/O, hashing and torch's copies release the GIL.
 WRITERS = 4

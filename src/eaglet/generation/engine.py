@@ -8,9 +8,9 @@ and is captured once as a CUDA graph (on CUDA), then replayed. A free slot decod
 position: its rows of the batch are wasted arithmetic, not a branch.
 
 The host meets the device once per window of `refill_every` steps: one copy of the stop positions tells which
-rows are done; their tokens come back in one copy; the next window is launched at once, and the work source
-(detokenizing, the next turn's chat template) runs while the device decodes. New requests are then
-prefilled in chunks of similar lengths, written straight into their slots, and join the window after.
+rows are done; their tokens come back in one copy; requests taken ahead are prefilled into the freed slots
+(in chunks of similar lengths, written straight into their slots) and the next window is launched at once,
+with them. The work source (detokenizing, the next turn's chat template) runs while the device decodes.
 
 The outputs match eaglet.generation.continuous (the reference decoder) token for token where the arithmetic
 agrees: on CPU in float32 it does (tests); in bf16 on a GPU the two differ only where two tokens' logits
@@ -20,7 +20,8 @@ are within rounding of each other.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -41,6 +42,46 @@ class _Slot:
 
     request: Request
     generated: int
+
+
+@dataclass
+class _Clock:
+    """Where the engine's wall time went: GPU seconds decoding and prefilling (CUDA events, read at the
+    window's sync, so timing costs no extra sync), and host seconds spent waiting for the GPU."""
+
+    on: bool
+    decode: float = 0.0
+    prefill: float = 0.0
+    waited: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def mark(self) -> torch.cuda.Event | None:
+        if not self.on:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def span(self, kind: str, start: torch.cuda.Event | None) -> None:
+        if start is not None:
+            self.pending.append((kind, start, self.mark()))
+
+    def settle(self) -> None:
+        """Add up the spans that finished (call after a sync)."""
+        for kind, start, end in self.pending:
+            setattr(self, kind, getattr(self, kind) + start.elapsed_time(end) / 1e3)
+        self.pending.clear()
+
+    def line(self) -> str:
+        wall = time.perf_counter() - self.started
+        if not self.on:
+            return f"{wall:.1f} s"
+        idle = max(0.0, wall - self.decode - self.prefill)
+        return (
+            f"{wall:.1f} s: the GPU decoded {self.decode:.1f} s, prefilled {self.prefill:.1f} s, waited for the "
+            f"host {idle:.1f} s; the host waited for the GPU {self.waited:.1f} s"
+        )
 
 
 @torch.inference_mode()
@@ -75,34 +116,52 @@ class _Engine:
         self.stops = torch.tensor(sorted(settings.stop_ids), **long)
         self.busy: dict[int, _Slot] = {}
         self.steps = self.windows = self.kept_tokens = 0  # for the summary line
+        self.clock = _Clock(on=device.type == "cuda")
         self.graph = self._capture() if device.type == "cuda" and settings.cuda_graphs else None
 
     def run(self, source: WorkSource) -> None:
         budget = self.settings.max_new_tokens
+        self.clock = _Clock(on=self.device.type == "cuda")
+        # Requests taken ahead, their prompts built while the last window decoded: at the next sync they are
+        # prefilled into the slots freed there, before the next window, which they join at once.
+        ready: list[Request] = []
         while True:
             with record_function("engine.harvest"):
                 finished = self._harvest()
-            # The next window runs while the source works out what comes next.
+            free = [slot for slot in range(self.slots) if slot not in self.busy]
+            if ready and free:
+                with record_function("engine.prefill"):
+                    start = self.clock.mark()
+                    admitted, ready = ready[: len(free)], ready[len(free) :]
+                    self._admit(free[: len(admitted)], admitted, budget)
+                    self.clock.span("prefill", start)
+            # The window runs while the source records what finished and works out what comes next.
             with record_function("engine.launch"):
                 self._launch_window()
             with record_function("engine.source"):
                 for request, tokens in finished:
                     source.finish(request, tokens)
-                free = [slot for slot in range(self.slots) if slot not in self.busy]
-                incoming = source.take(len(free))
-            if not incoming and not self.busy:
+                # Enough for the slots free now and as many again as just finished (about what the
+                # window frees).
+                wanted = self.slots - len(self.busy) + len(finished) - len(ready)
+                if wanted > 0:
+                    ready += source.take(wanted)
+            if not ready and not self.busy:
+                if self.clock.on:
+                    torch.cuda.synchronize(self.device)
+                self.clock.settle()
                 self._summary()
                 return
-            if incoming:
-                with record_function("engine.prefill"):
-                    self._admit(free[: len(incoming)], incoming, budget)
 
     def _harvest(self) -> list[tuple[Request, list[int]]]:
         """The busy slots that met a stop id or their budget, freed; (request, tokens) for each, in slot order."""
         if not self.busy:
             return []
         budget = self.settings.max_new_tokens
+        waiting = time.perf_counter()
         stop_at = self.stop_at.tolist()  # the window's one device sync
+        self.clock.waited += time.perf_counter() - waiting
+        self.clock.settle()
         done, lengths = [], []
         for slot in sorted(self.busy):
             stop, generated = stop_at[slot], self.busy[slot].generated
@@ -129,11 +188,13 @@ class _Engine:
             return
         remaining = max(self.settings.max_new_tokens - slot.generated for slot in self.busy.values())
         steps = max(1, min(self.settings.refill_every, remaining))
+        start = self.clock.mark()
         for _ in range(steps):
             if self.graph is not None:
                 self.graph.replay()
             else:
                 self._step()
+        self.clock.span("decode", start)
         for slot in self.busy.values():
             slot.generated += steps
         self.steps += steps
@@ -145,7 +206,8 @@ class _Engine:
             share = self.kept_tokens / (self.steps * self.slots)
             print(
                 f"generation engine: {self.steps:,} steps of {self.slots:,} rows in {self.windows:,} windows; "
-                f"{share:.0%} of the row-steps made a kept token (the rest: free rows, tokens after a stop)"
+                f"{share:.0%} of the row-steps made a kept token (the rest: free rows, tokens after a stop); "
+                f"{self.clock.line()}"
             )
 
     def _step(self) -> None:

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - depends on the torch build
 _PASSES = 9
 _SPLITS = 8
 _BLOCK = 1024
+_WARPS = 8
 
 
 def kernel_applies(logits: torch.Tensor) -> bool:
@@ -38,7 +39,7 @@ def sample_rows(
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     _sample_kernel[(rows,)](
         logits, seeds, steps, out, vocab, logits.stride(0), float(temperature), float(top_p),
-        USE_TOP_P=top_p < 1.0, PASSES=_PASSES, SPLITS=_SPLITS, BLOCK=_BLOCK, num_warps=8,
+        USE_TOP_P=top_p < 1.0, PASSES=_PASSES, SPLITS=_SPLITS, BLOCK=_BLOCK, num_warps=_WARPS,
     )  # fmt: skip
     return out
 

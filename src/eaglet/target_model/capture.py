@@ -129,8 +129,63 @@ def capture_hidden_states(
     if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
         raise ValueError("attention_mask must be right-padded (each row: ones, then zeros)")
     with HiddenStateCapture(parts, aux_layer_ids) as capture:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **_one_logit_kwargs(model))
+        if not (
+            attention_mask is None
+            and _runs_layers_directly(model)
+            and _causal_layers(model, parts, input_ids)
+        ):
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
+                **_one_logit_kwargs(model),
+            )
     return capture.result()
+
+
+# Decoders whose layers take (hidden, position_embeddings, position_ids) and attend causally through SDPA when
+# given no mask: the Llama family.
+_DIRECT_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _runs_layers_directly(model: nn.Module) -> bool:
+    """Whether `_causal_layers` computes what the model's own forward does without a mask (see there)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    full = all(t == "full_attention" for t in (getattr(config, "layer_types", None) or []))
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return (
+        getattr(config, "model_type", None) in _DIRECT_ARCHITECTURES
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and full
+        and not sliding
+    )
+
+
+def _causal_layers(model: nn.Module, parts: TargetParts, input_ids: torch.Tensor) -> bool:
+    """The decoder layers over `input_ids` [B, S] without a mask (causal through SDPA's is_causal), skipping the
+    final norm and head, whose outputs extraction does not use.
+
+    transformers' own forward builds its causal mask first, and without a mask it looks for packed sequences in
+    the position ids with a test read on the host: a device sync in every forward, which made extraction's next
+    launch wait for the forward before it (measured on an H200, 2026-12-03).
+    """
+    parent = model.get_submodule(parts.layer_path.rpartition(".")[0])
+    if not hasattr(parent, "rotary_emb"):
+        return False  # the caller runs the model's own forward
+    hidden = parts.embed_tokens(input_ids)
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+    position_embeddings = parent.rotary_emb(hidden, position_ids=position_ids)
+    for layer in parts.layers:
+        out = layer(
+            hidden,
+            attention_mask=None,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            past_key_values=None,
+            use_cache=False,
+        )
+        hidden = out[0] if isinstance(out, tuple | list) else out
+    return True
 
 
 def _one_logit_kwargs(model: nn.Module) -> dict[str, int]:
