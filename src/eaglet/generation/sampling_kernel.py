@@ -23,8 +23,10 @@ except ImportError:  # pragma: no cover - depends on the torch build
 # float32 resolves between 0 and the largest probability.
 _PASSES = 9
 _SPLITS = 8
-_BLOCK = 1024
-_WARPS = 8
+# Tuned on an H200 at [1024, 49152] bf16, top_p 0.95 (2026-12-03): 2048 x 4 warps 1.13 ms, 1024 x 8 warps
+# 1.66 ms, the same picks; more splits per pass (16 x 7, 32 x 6, 64 x 5) were slower.
+_BLOCK = 2048
+_WARPS = 4
 
 
 def kernel_applies(logits: torch.Tensor) -> bool:
