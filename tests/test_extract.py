@@ -278,3 +278,42 @@ def test_answers_of_another_model_are_not_imported(compose, tmp_path: Path) -> N
     regen = ["extract.regenerate.enabled=true", f"extract.regenerate.import_from={shipped}"]
     with pytest.raises(ConfigError, match="does not start with the target's name 'tiny_llama'"):
         run_extraction(compose(*overrides(data, tmp_path / "out", *regen)))
+
+
+def test_sampled_answers_are_extra_sequences_with_their_own_ids(compose, tmp_path: Path) -> None:
+    """samples_per_prompt=3: the greedy answers (the same file as with 1) plus two sampled copies per
+    conversation, ids <id>#s1 and <id>#s2, each different from the greedy answer and reproducible."""
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(3))
+    regen = [
+        "extract.regenerate.enabled=true",
+        "extract.regenerate.max_new_tokens=6",
+        f"paths.data_dir={tmp_path}",
+    ]
+    one = run_extraction(compose(*overrides(data, tmp_path / "one", *regen)))
+    greedy_files = sorted((tmp_path / "regenerated").iterdir())
+    sampled = [*regen, "extract.regenerate.samples_per_prompt=3", "extract.regenerate.sample_temperature=1.5"]
+    three = run_extraction(compose(*overrides(data, tmp_path / "three", *sampled)))
+    files = sorted((tmp_path / "regenerated").iterdir())
+    assert len(files) == 2 and greedy_files[0] in files  # the greedy file reused, one file for the samples
+    assert three.sequences == 3 * one.sequences
+    records = [
+        json.loads(line) for line in next(f for f in files if f not in greedy_files).read_text().splitlines()
+    ]
+    ids = sorted(r["id"] for r in records)
+    source_ids = sorted(r["id"] for r in some_records(3))
+    assert ids == sorted(f"{i}#s{k}" for i in source_ids for k in (1, 2))
+    greedy = {json.loads(line)["id"]: json.loads(line) for line in greedy_files[0].read_text().splitlines()}
+    answers = {r["id"]: r["conversations"][1]["content"] for r in records}
+    assert any(answers[f"{i}#s1"] != greedy[i]["conversations"][1]["content"] for i in source_ids)
+    assert any(answers[f"{i}#s1"] != answers[f"{i}#s2"] for i in source_ids)
+    # Run again in a fresh folder: every answer comes back from the files, identical.
+    again = run_extraction(compose(*overrides(data, tmp_path / "again", *sampled)))
+    assert again.regenerate.resumed == 3 * 3 and again.tokens == three.tokens
+
+
+def test_sampled_answers_need_a_temperature(compose, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
+    bad = ["extract.regenerate.enabled=true", "extract.regenerate.samples_per_prompt=2",
+           "extract.regenerate.sample_temperature=0"]  # fmt: skip
+    with pytest.raises(ConfigError, match="extract.regenerate.sample_temperature"):
+        run_extraction(compose(*overrides(data, tmp_path / "out", *bad)))

@@ -197,12 +197,20 @@ def check_extract(ext: ExtractConfig) -> None:
         "batch_size": regen.batch_size,
         "refill_every": regen.refill_every,
         "concurrency": regen.concurrency,
+        "samples_per_prompt": regen.samples_per_prompt,
     }
     at_least("extract.regenerate", counts, 1)
     at_least("extract.regenerate", {"max_retries": regen.max_retries}, 0)
     at_least("extract.regenerate", {"temperature": regen.temperature}, 0, hint=" (0 = greedy)")
     within("extract.regenerate", {"top_p": regen.top_p}, "(0, 1]", hint=" (1 = no nucleus cut)")
     positive("extract.regenerate", {"request_timeout_s": regen.request_timeout_s})
+    if regen.samples_per_prompt > 1:
+        positive(
+            "extract.regenerate", {"sample_temperature": regen.sample_temperature}, hint=" (sampled answers)"
+        )
+        within(
+            "extract.regenerate", {"sample_top_p": regen.sample_top_p}, "(0, 1]", hint=" (1 = no nucleus cut)"
+        )
     vllm = ext.vllm
     counts = {
         "tensor_parallel_size": vllm.tensor_parallel_size,

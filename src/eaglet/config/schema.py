@@ -162,6 +162,11 @@ class RegenerateConfig:
     # 0 = greedy.
     temperature: float = 0.0
     top_p: float = 1.0
+    # Answers per user turn, each its own training sequence: the first at `temperature`/`top_p` above (greedy by
+    # default), the others sampled at sample_temperature/sample_top_p, with conversation ids <id>#s1, <id>#s2, ...
+    samples_per_prompt: int = 1
+    sample_temperature: float = 0.7
+    sample_top_p: float = 0.95
     batch_size: int = 16
     # In-process: decode steps between checks for finished answers, whose rows then take the next turn.
     # Sampling is seeded by the top-level `seed`.

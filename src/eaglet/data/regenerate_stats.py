@@ -16,3 +16,15 @@ class RegenerateStats:
     seconds: float = 0.0
     # Requests sent again after a connection error, timeout, 429 or 5xx (endpoint path only).
     retries: int = 0
+
+    def merged(self, other: RegenerateStats) -> RegenerateStats:
+        """Both runs' counts together (a greedy pass and its sampled answers)."""
+        return RegenerateStats(
+            conversations=self.conversations + other.conversations,
+            resumed=self.resumed + other.resumed,
+            generated_turns=self.generated_turns + other.generated_turns,
+            generated_tokens=self.generated_tokens + other.generated_tokens,
+            cut_for_length=self.cut_for_length + other.cut_for_length,
+            seconds=self.seconds + other.seconds,
+            retries=self.retries + other.retries,
+        )

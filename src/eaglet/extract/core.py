@@ -16,12 +16,13 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -145,8 +146,22 @@ def prepare_samples(
     `model` answers in-process; without it regeneration needs extract.regenerate.endpoint.
     """
     regenerated = None
-    if job.extract.regenerate.enabled:
-        conversations, regenerated = _regenerate(job, conversations, tokenizer, template, target, model)
+    rg = job.extract.regenerate
+    if rg.enabled:
+        originals = conversations
+        conversations, regenerated = _regenerate(job, originals, tokenizer, template, target, model)
+        if rg.samples_per_prompt > 1:
+            sampled, stats = _regenerate(
+                job,
+                sample_copies(originals, rg.samples_per_prompt),
+                tokenizer,
+                template,
+                target,
+                model,
+                rg=OmegaConf.merge(rg, {"temperature": rg.sample_temperature, "top_p": rg.sample_top_p}),
+            )
+            conversations = conversations + sampled
+            regenerated = regenerated.merged(stats)
     tokenized, kept, no_masked_token = _tokenize(
         conversations, tokenizer, template, max_length=job.extract.max_length, dataset=job.dataset
     )
@@ -316,8 +331,10 @@ def _regenerate(
     template: str,
     target: TargetIdentity,
     model: torch.nn.Module | None,
+    rg: RegenerateConfig | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    rg, name = job.extract.regenerate, job.model.name
+    """`conversations` answered by the target as `rg` (default extract.regenerate) says, cached by its settings."""
+    rg, name = rg or job.extract.regenerate, job.model.name
     if rg.import_from is not None and not Path(rg.import_from).name.startswith(name):
         # Records hold prompts and answers, not who answered: the file name carries the model.
         raise ConfigError(
@@ -364,6 +381,11 @@ def _regenerate(
             template_kwargs=chat_template_variables(job.model, rg) if rg.endpoint else None,
             seed=job.seed,
         )
+
+
+def sample_copies(conversations: list[Conversation], samples: int) -> list[Conversation]:
+    """Copies of each conversation for its sampled answers 1..samples-1, ids `<id>#s<k>` (own sampling streams)."""
+    return [replace(c, id=f"{c.id}#s{k}") for k in range(1, samples) for c in conversations]
 
 
 def _decoder(model: torch.nn.Module | None, rg: RegenerateConfig) -> str | None:
