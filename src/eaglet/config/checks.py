@@ -191,6 +191,18 @@ def check_extract(ext: ExtractConfig) -> None:
         "max_conversations": ext.max_conversations,
     }
     at_least("extract", sizes, 1)
+    sp = ext.self_prompt
+    at_least("extract.self_prompt", {"num_prompts": sp.num_prompts}, 0, hint=" (0 = none)")
+    at_least(
+        "extract.self_prompt", {"max_prompt_tokens": sp.max_prompt_tokens, "batch_size": sp.batch_size}, 1
+    )
+    at_least("extract.self_prompt", {"min_chars": sp.min_chars}, 0)
+    positive("extract.self_prompt", {"temperature": sp.temperature}, hint=" (prompts are sampled)")
+    within(
+        "extract.self_prompt",
+        {"top_p": sp.top_p, "near_duplicate_jaccard": sp.near_duplicate_jaccard},
+        "(0, 1]",
+    )
     regen = ext.regenerate
     counts = {
         "max_new_tokens": regen.max_new_tokens,

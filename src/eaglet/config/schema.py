@@ -191,6 +191,50 @@ class RegenerateConfig:
     import_from: str | None = None
 
 
+def _default_prompt_categories() -> dict[str, str]:
+    """System prompts that steer self-prompting towards kinds of requests (name: system prompt)."""
+    role = "You are a helpful AI assistant. The user will ask you"
+    return {
+        "coding": f"{role} to write, explain or fix code.",
+        "debugging": f"{role} about an error message or a bug in their program.",
+        "maths": f"{role} to solve a maths problem step by step.",
+        "reasoning": f"{role} a logic puzzle or a question that needs careful reasoning.",
+        "writing": f"{role} to write or edit a text: an email, a story, an essay, a poem.",
+        "summarising": f"{role} to summarise, rewrite or translate a passage they give.",
+        "science": f"{role} a question about physics, chemistry, biology or medicine.",
+        "history": f"{role} a question about history, geography or culture.",
+        "advice": f"{role} for advice: health, careers, relationships, study.",
+        "everyday": f"{role} an everyday practical question: cooking, travel, home, shopping.",
+        "business": f"{role} about business, economics, finance or law.",
+        "brainstorming": f"{role} to brainstorm ideas or make a plan.",
+        "data": f"{role} about data analysis, statistics, spreadsheets or SQL.",
+        "explaining": f"{role} to explain a concept simply.",
+        "roleplay": f"{role} to play a role or hold a conversation in character.",
+        "general": None,
+    }
+
+
+@dataclass
+class SelfPromptConfig:
+    """The target writes user prompts itself (extract.self_prompt.num_prompts > 0); its answers are then
+    regenerated (extract.regenerate.enabled=true). See eaglet.data.self_prompt."""
+
+    # Prompts to add to the dataset's conversations (0 = none).
+    num_prompts: int = 0
+    # name: system prompt placed before the user turn the target writes (null: no system prompt). Prompts cycle
+    # through the names in sorted order.
+    categories: dict[str, Any] = field(default_factory=_default_prompt_categories)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # A prompt that has not ended within this many tokens is dropped.
+    max_prompt_tokens: int = 160
+    min_chars: int = 12
+    # Two prompts whose word-pair (2-gram) sets have at least this Jaccard similarity count as one.
+    near_duplicate_jaccard: float = 0.7
+    # Rows decoding at once.
+    batch_size: int = 1024
+
+
 @dataclass
 class VllmConfig:
     """vLLM backend settings (extract.backend=vllm): an engine eaglet starts, or a server at `url`."""
@@ -236,6 +280,7 @@ class ExtractConfig:
     # Keep at most this many conversations in total after loading; null = all.
     max_conversations: int | None = None
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    self_prompt: SelfPromptConfig = field(default_factory=SelfPromptConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 

@@ -28,8 +28,10 @@ from tqdm.auto import tqdm
 
 from eaglet.config.schema import DatasetConfig, ModelConfig, RegenerateConfig
 from eaglet.data.conversations import Conversation
+from eaglet.data.holdout import eval_set_prompts, normalise_prompt
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerate_stats import RegenerateStats
+from eaglet.data.self_prompt import format_self_prompt_report, self_prompt, self_prompt_report, settings_key
 from eaglet.data.templating import (
     TokenizedConversation,
     chat_template_hash,
@@ -43,6 +45,7 @@ from eaglet.extract.plan import plan_shards
 from eaglet.fsutil import (
     DiskFullError,
     atomic_output,
+    atomic_write_json,
     free_bytes,
     human_bytes,
     is_disk_full,
@@ -381,6 +384,64 @@ def _regenerate(
             template_kwargs=chat_template_variables(job.model, rg) if rg.endpoint else None,
             seed=job.seed,
         )
+
+
+def self_prompted(
+    job: ExtractionJob,
+    conversations: list[Conversation],
+    tokenizer: Any,
+    template: str,
+    target: TargetIdentity,
+    model: torch.nn.Module,
+) -> list[Conversation]:
+    """extract.self_prompt.num_prompts prompts the target wrote (eaglet.data.self_prompt), none of them an
+    evaluation prompt or a (near) repeat of each other or of `conversations`' user turns; cached by settings."""
+    sp, rg = job.extract.self_prompt, job.extract.regenerate
+    if not rg.enabled:
+        raise ConfigError(
+            f"extract.self_prompt.num_prompts={sp.num_prompts} writes prompts without answers: set "
+            "extract.regenerate.enabled=true so the target answers them"
+        )
+    identity = {
+        "target": target.config_hash,
+        "tokenizer": target.tokenizer_hash,
+        "template": chat_template_hash(template),
+        "dtype": target.dtype,
+        "device": target.device,
+        "seed": job.seed,
+        **({"decoder": "engine"} if _decoder(model, rg) == "engine" else {}),
+    }
+    path = job.data_dir / "self_prompted" / f"{job.model.name}-{settings_key(sp, identity)}.jsonl"
+    print(f"self-prompting {sp.num_prompts:,} user prompts with {job.model.name} -> {path}")
+    existing = {normalise_prompt(t.content) for c in conversations for t in c.turns if t.role == "user"}
+    with _full_disk_reported(
+        path.parent, "prompts are appended there as they are kept", "free space, then re-run the same command"
+    ):
+        prompts, stats = self_prompt(
+            model, tokenizer, sp, template=template, out_path=path, seed=job.seed,
+            held_out=eval_set_prompts(job.held_out_sets), existing=existing, engine=str(rg.engine),
+            compile=rg.compile,
+        )  # fmt: skip
+    report = self_prompt_report(stats, prompts)
+    atomic_write_json(
+        path.with_suffix(".report.json"), {"settings": {**OmegaConf.to_container(sp), **identity}, **report}
+    )
+    print(format_self_prompt_report(report))
+    if len(prompts) < sp.num_prompts:
+        print(
+            f"warning: {len(prompts):,} distinct prompts of the {sp.num_prompts:,} asked for: the target repeats "
+            "itself at these settings; raise extract.self_prompt.temperature or add categories"
+        )
+    return prompts
+
+
+def regenerate_settings(rg: RegenerateConfig, seed: int, *, without: tuple[str, ...] = ()) -> dict[str, Any]:
+    """extract.regenerate as part of an extraction's identity. The sampled-answer keys count only when used, so
+    folders extracted before they existed keep their fingerprints."""
+    unused = (
+        ("samples_per_prompt", "sample_temperature", "sample_top_p") if rg.samples_per_prompt == 1 else ()
+    )
+    return {k: v for k, v in dict(rg).items() if k not in without + unused} | {"seed": seed}
 
 
 def sample_copies(conversations: list[Conversation], samples: int) -> list[Conversation]:

@@ -54,6 +54,10 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
         dtype=str(target.dtype),
         device=target.device.type,
     )
+    if ext.self_prompt.num_prompts:
+        conversations = conversations + core.self_prompted(
+            job, conversations, target.tokenizer, template, identity, target.model
+        )
     samples = core.prepare_samples(
         job, conversations, no_assistant, target.tokenizer, template, identity, model=target.model
     )
@@ -66,7 +70,7 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
         # Where imported answers came from is not part of it: the samples' tokens are hashed. The run's seed
         # sits where regeneration's own seed was, so earlier fingerprints still match.
         "regenerate": (
-            {k: v for k, v in dict(ext.regenerate).items() if k != "import_from"} | {"seed": job.seed}
+            core.regenerate_settings(ext.regenerate, job.seed, without=("import_from",))
             if ext.regenerate.enabled
             else None
         ),

@@ -72,19 +72,27 @@ def decode_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    seeds: list[int] | None = None,
     engine: str = "auto",
     max_rows: int | None = None,
     compile: bool = False,
 ) -> list[list[int]]:
     """New token ids for each prompt, each ending at the first stop id (excluded).
 
-    Greedy when temperature is 0; otherwise each prompt samples from its own stream, seeded from `generator`.
+    Greedy when temperature is 0; otherwise each prompt samples from its own stream: `seeds` (one per prompt),
+    or seeded from `generator`.
     `max_rows` rows decode at once (default: every prompt); `compile` is the engine's DecodeSettings.compile.
     """
     base = 0
     if generator is not None:
         base = int(torch.randint(0, 2**31 - len(prompts), (1,), generator=generator, device=generator.device))
-    source = _PromptList([Request(prompt, seed=base + i, tag=i) for i, prompt in enumerate(prompts)])
+    if seeds is None:
+        seeds = [base + i for i in range(len(prompts))]
+    elif len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    source = _PromptList(
+        [Request(prompt, seed=seed, tag=i) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]
+    )
     settings = DecodeSettings(
         max_new_tokens=max_new_tokens,
         stop_ids=frozenset(stop_ids),

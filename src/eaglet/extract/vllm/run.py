@@ -67,6 +67,12 @@ def open_source(job: ExtractionJob, plan: LaunchPlan, hardware: HardwareConfig) 
 
 def run_vllm_extraction(job: ExtractionJob, hardware: HardwareConfig, *, seed: int) -> core.ExtractSummary:
     """Extract the job's dataset with vLLM computing the states on `hardware`; returns what was written."""
+    if job.extract.self_prompt.num_prompts:
+        raise ConfigError(
+            "extract.self_prompt runs with the target in this process: run it once with extract.backend=transformers "
+            "(it writes data/self_prompted/*.jsonl), then extract that file with dataset=jsonl "
+            "dataset.paths=[...] on this backend"
+        )
     features_for(job.model.architecture)
     aux_ids = resolve_aux_layer_ids(job.model)
     layout = LayerLayout.for_target(aux_ids, job.model.num_layers)
@@ -113,7 +119,7 @@ def _run(
         **core.shared_settings(job, aux_ids),
         "target_dtype": job.model.dtype,
         "check_tokenization": ext.vllm.check_tokenization,
-        "regenerate": dict(ext.regenerate) | {"seed": job.seed} if ext.regenerate.enabled else None,
+        "regenerate": core.regenerate_settings(ext.regenerate, job.seed) if ext.regenerate.enabled else None,
     }
     folder = core.start_folder(
         job,
