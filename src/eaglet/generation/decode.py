@@ -91,7 +91,10 @@ def decode_batch(
     elif len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     source = _PromptList(
-        [Request(prompt, seed=seed, tag=i) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]
+        [
+            Request(prompt, seed=seed, tag=i)
+            for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
+        ]
     )
     settings = DecodeSettings(
         max_new_tokens=max_new_tokens,
