@@ -166,6 +166,18 @@ def shared_settings(job: ExtractionJob, aux_ids: list[int]) -> dict[str, Any]:
     }
 
 
+def regenerate_settings(job: ExtractionJob) -> dict[str, Any] | None:
+    """Regeneration's settings as the manifest records them (None when it is off).
+
+    Where imported answers came from is not part of them: the samples' tokens are hashed. The run's seed sits
+    where regeneration's own seed was, so earlier fingerprints still match.
+    """
+    regen = job.extract.regenerate
+    if not regen.enabled:
+        return None
+    return {k: v for k, v in dict(regen).items() if k != "import_from"} | {"seed": job.seed}
+
+
 def inputs_identity(
     model: ModelConfig, target: TargetIdentity, template: str, settings: dict[str, Any]
 ) -> dict[str, Any]:

@@ -56,13 +56,7 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
         "batch_tokens": ext.batch_tokens,
         "target_dtype": identity.dtype,
         "device": identity.device,
-        # Where imported answers came from is not part of it: the samples' tokens are hashed. The run's seed
-        # sits where regeneration's own seed was, so earlier fingerprints still match.
-        "regenerate": (
-            {k: v for k, v in dict(ext.regenerate).items() if k != "import_from"} | {"seed": job.seed}
-            if ext.regenerate.enabled
-            else None
-        ),
+        "regenerate": core.regenerate_settings(job),
     }
     folder = core.start_folder(
         job,
