@@ -12,7 +12,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from eaglet.config.bounds import at_least, positive, within
-from eaglet.config.choices import STRATEGIES, ExtractBackend
+from eaglet.config.choices import STRATEGIES, ExtractBackend, ExtractFeatures
 from eaglet.config.eval_sets import eval_set_defs
 from eaglet.config.schema import (
     DatasetConfig,
@@ -241,6 +241,13 @@ def check_extract(ext: ExtractConfig) -> None:
         raise ConfigError(
             f"extract.vllm.max_model_len={vllm.max_model_len} must exceed extract.max_length={ext.max_length} "
             "(the prompt plus the one generated token); raise it or leave it null"
+        )
+    if ext.features == ExtractFeatures.tokens and ext.backend != ExtractBackend.transformers:
+        raise ConfigError(
+            f"extract.features=tokens needs extract.backend=transformers (got {ext.backend}): online training runs "
+            "the target in the training process, which a target served through vLLM is too large for; extract "
+            "hidden states (extract.features=hidden_states) and train from shards, or regenerate through a server "
+            "with extract.regenerate.endpoint=... and extract.backend=transformers"
         )
 
 

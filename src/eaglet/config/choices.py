@@ -57,6 +57,20 @@ class ExtractBackend(StrEnum):
     vllm = "vllm"
 
 
+class ExtractFeatures(StrEnum):
+    """What extraction writes: hidden-state shards for training from disk, or token streams for online training."""
+
+    hidden_states = "hidden_states"
+    tokens = "tokens"
+
+
+class TrainFeatures(StrEnum):
+    """Where training's target features come from: shards on disk, or the target run inside each step."""
+
+    shards = "shards"
+    online = "online"
+
+
 class Attention(StrEnum):
     """TTT attention: auto (flex on CUDA, sdpa on CPU), flex (block-sparse flex_attention, CUDA), sdpa."""
 

@@ -18,6 +18,7 @@ from eaglet.config.choices import (
     AttentionKeys,
     ExportFormat,
     ExtractBackend,
+    ExtractFeatures,
     FloatDtype,
     GenerationEngine,
     Interconnect,
@@ -25,6 +26,7 @@ from eaglet.config.choices import (
     SweepObjective,
     TargetDtype,
     TauSource,
+    TrainFeatures,
 )
 
 
@@ -274,6 +276,9 @@ class ExtractConfig:
     # Tokens per shard file.
     shard_tokens: int = 65536
     dtype: FloatDtype = FloatDtype.bfloat16
+    # hidden_states: shards of the target's features (trainer.features=shards); tokens: token streams and token
+    # counts only, 5 bytes a token, into ${paths.data_dir}/tokens/<model>/<dataset> (trainer.features=online).
+    features: ExtractFeatures = ExtractFeatures.hidden_states
     device: str = "auto"
     overwrite: bool = False
     strict: bool = False
@@ -318,6 +323,9 @@ class TrainerConfig:
     full_vocab_train_accuracy: bool = False
     # dtype of the frozen embedding table ("bfloat16" halves it); null = the parameters' dtype (FSDP needs that).
     embed_dtype: FloatDtype | None = None
+    # shards: read the target's features from extracted shards; online: run the frozen target (a replica per
+    # device) inside each step on the token streams of `python extract.py extract.features=tokens`.
+    features: TrainFeatures = TrainFeatures.shards
 
 
 @dataclass

@@ -144,12 +144,15 @@ def prepare_samples(
     *,
     model: torch.nn.Module | None = None,
 ) -> Samples:
-    """The conversations (their answers regenerated when extract.regenerate.enabled), tokenized.
+    """The conversations (with the prompts the target writes itself, extract.self_prompt; their answers
+    regenerated when extract.regenerate.enabled), tokenized.
 
     `model` answers in-process; without it regeneration needs extract.regenerate.endpoint.
     """
     regenerated = None
     rg = job.extract.regenerate
+    if job.extract.self_prompt.num_prompts and model is not None:
+        conversations = conversations + self_prompted(job, conversations, tokenizer, template, target, model)
     if rg.enabled:
         originals = conversations
         conversations, regenerated = _regenerate(job, originals, tokenizer, template, target, model)
@@ -182,6 +185,24 @@ def shared_settings(job: ExtractionJob, aux_ids: list[int]) -> dict[str, Any]:
         "max_length": ext.max_length,
         "shard_tokens": ext.shard_tokens,
     }
+
+
+def regenerate_settings(
+    job: ExtractionJob, *, without: tuple[str, ...] = ("import_from",)
+) -> dict[str, Any] | None:
+    """Regeneration's settings as the manifest records them (None when it is off).
+
+    Where imported answers came from is not part of them (the samples' tokens are hashed; the vLLM backend, which
+    always recorded it, passes `without=()`). The run's seed sits where regeneration's own seed was, and the
+    sampled-answer keys count only when used, so earlier fingerprints still match.
+    """
+    regen = job.extract.regenerate
+    if not regen.enabled:
+        return None
+    unused = (
+        ("samples_per_prompt", "sample_temperature", "sample_top_p") if regen.samples_per_prompt == 1 else ()
+    )
+    return {k: v for k, v in dict(regen).items() if k not in without + unused} | {"seed": job.seed}
 
 
 def inputs_identity(
@@ -433,15 +454,6 @@ def self_prompted(
             "itself at these settings; raise extract.self_prompt.temperature or add categories"
         )
     return prompts
-
-
-def regenerate_settings(rg: RegenerateConfig, seed: int, *, without: tuple[str, ...] = ()) -> dict[str, Any]:
-    """extract.regenerate as part of an extraction's identity. The sampled-answer keys count only when used, so
-    folders extracted before they existed keep their fingerprints."""
-    unused = (
-        ("samples_per_prompt", "sample_temperature", "sample_top_p") if rg.samples_per_prompt == 1 else ()
-    )
-    return {k: v for k, v in dict(rg).items() if k not in without + unused} | {"seed": seed}
 
 
 def sample_copies(conversations: list[Conversation], samples: int) -> list[Conversation]:

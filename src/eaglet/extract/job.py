@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglet.config.choices import ExtractFeatures
 from eaglet.config.schema import DatasetConfig, ExtractConfig, ModelConfig
 from eaglet.data.conversations import Conversation
 from eaglet.data.dataset import load_dataset
 from eaglet.shards import shard_dir
+from eaglet.shards.tokens import token_dir
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,9 @@ class ExtractionJob:
 
     @property
     def out_dir(self) -> Path:
-        """The shard folder this extraction writes."""
-        return shard_dir(self.data_dir, self.model.name, self.dataset.name, self.extract.output_dir)
+        """The shard folder this extraction writes (the token store with extract.features=tokens)."""
+        where = token_dir if self.extract.features == ExtractFeatures.tokens else shard_dir
+        return where(self.data_dir, self.model.name, self.dataset.name, self.extract.output_dir)
 
     def load_conversations(self) -> tuple[list[Conversation], int]:
         """The dataset's conversations and how many had no assistant turn (see load_dataset)."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglet.config.choices import ExtractFeatures
 from eaglet.config.eval_sets import eval_set_defs
 from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError
 from eaglet.extract.core import ExtractSummary
 from eaglet.extract.job import ExtractionJob
+from eaglet.extract.tokens import run_token_extraction
 from eaglet.extract.transformers_backend import run_transformers_extraction
 from eaglet.extract.vllm.run import run_vllm_extraction
 from eaglet.shards import STORED_DTYPES
@@ -37,6 +39,8 @@ def run_extraction(cfg: EagletConfig) -> ExtractSummary:
     if ext.dtype not in STORED_DTYPES:
         raise ConfigError(f"extract.dtype={ext.dtype!r}: choose one of {sorted(STORED_DTYPES)}")
     job = extraction_job(cfg)
+    if ext.features == ExtractFeatures.tokens:  # checked after composition: the transformers backend
+        return run_token_extraction(job)
     if ext.backend == "vllm":
         return run_vllm_extraction(job, cfg.hardware, seed=cfg.seed)
     return run_transformers_extraction(job)

@@ -54,10 +54,6 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
         dtype=str(target.dtype),
         device=target.device.type,
     )
-    if ext.self_prompt.num_prompts:
-        conversations = conversations + core.self_prompted(
-            job, conversations, target.tokenizer, template, identity, target.model
-        )
     samples = core.prepare_samples(
         job, conversations, no_assistant, target.tokenizer, template, identity, model=target.model
     )
@@ -67,13 +63,7 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
         "batch_tokens": ext.batch_tokens,
         "target_dtype": identity.dtype,
         "device": identity.device,
-        # Where imported answers came from is not part of it: the samples' tokens are hashed. The run's seed
-        # sits where regeneration's own seed was, so earlier fingerprints still match.
-        "regenerate": (
-            core.regenerate_settings(ext.regenerate, job.seed, without=("import_from",))
-            if ext.regenerate.enabled
-            else None
-        ),
+        "regenerate": core.regenerate_settings(job),
     }
     folder = core.start_folder(
         job,

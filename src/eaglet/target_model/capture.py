@@ -116,6 +116,7 @@ def capture_hidden_states(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     aux_layer_ids: Sequence[int],
+    **forward_kwargs: Any,
 ) -> CapturedBatch:
     """Run the model once over a right-padded batch [B, S] and return its captured states.
 
@@ -124,21 +125,20 @@ def capture_hidden_states(
     the pads after it and positions stay 0..n-1, so the states at real positions are those of the masked
     forward, and attention takes SDPA's mask-free (flash) path. It also spares the check below, which reads
     the mask on the host (a device sync for a mask on the GPU): callers that build right-padded rows
-    themselves, like extraction, pass None.
+    themselves, like extraction, pass None. `forward_kwargs` go to the model's forward as they are (a packed
+    row's position ids and document boundaries: eaglet.target_model.packed_attention).
     """
     if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
         raise ValueError("attention_mask must be right-padded (each row: ones, then zeros)")
     with HiddenStateCapture(parts, aux_layer_ids) as capture:
-        if not (
-            attention_mask is None
-            and _runs_layers_directly(model)
-            and _causal_layers(model, parts, input_ids)
-        ):
+        direct = attention_mask is None and not forward_kwargs and _runs_layers_directly(model)
+        if not (direct and _causal_layers(model, parts, input_ids)):
             model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 use_cache=False,
                 **_one_logit_kwargs(model),
+                **forward_kwargs,
             )
     return capture.result()
 

@@ -171,15 +171,10 @@ class ShardDataModule(LightningDataModule):
         """Open the shards (once) and split them; no memory map is opened here."""
         if self._dataset is not None:
             return
-        reader = ShardReader(self.shard_dir)
+        dataset = self._open_dataset()
+        reader = dataset.reader
         self._train_idx, self._val_idx = split_by_sample_id(reader.sample_ids, self.val_fraction, self.seed)
-        self._dataset = PackedShardDataset(
-            reader,
-            self.tokens_per_batch,
-            self.feature_dtype,
-            check_finite=self.check_finite,
-            pin_memory=torch.cuda.is_available(),
-        )
+        self._dataset = dataset
         self._train_bins = pack_sequences(
             reader.lengths, self._train_idx, self.tokens_per_batch, self.seed, 0
         )
@@ -193,6 +188,17 @@ class ShardDataModule(LightningDataModule):
         rank_zero_info(
             f"{self.shard_dir}: {self.num_train_sequences} train sequences ({self.train_tokens} tokens, "
             f"packing efficiency {self.packing_efficiency:.1%}), {self.num_val_sequences} validation sequences"
+        )
+
+    def _open_dataset(self) -> PackedShardDataset:
+        """The packed micro-batches of the folder's sequences; a subclass may read them from another source
+        (eaglet.train.online reads token streams only)."""
+        return PackedShardDataset(
+            ShardReader(self.shard_dir),
+            self.tokens_per_batch,
+            self.feature_dtype,
+            check_finite=self.check_finite,
+            pin_memory=torch.cuda.is_available(),
         )
 
     def _require_setup(self) -> PackedShardDataset:

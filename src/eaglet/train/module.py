@@ -2,7 +2,7 @@
 
 Hyperparameters are primitives only (plain dicts and numbers), so checkpoints load with
 `weights_only=True`. The target's final norm and lm_head are non-persistent buffers: they come from the
-shard folder's target_head.safetensors, not from checkpoints.
+shard folder's target_head.safetensors (or the target itself, online), not from checkpoints.
 """
 
 from __future__ import annotations
@@ -65,6 +65,15 @@ class DraftHeadModule(L.LightningModule):
         self._val_sums: dict[str, Tensor] = {}
         self._step_start = 0.0
         self._window_losses: list[Tensor] = []
+        self._online_target: Any = None  # see attach_target
+
+    def attach_target(self, target: Any) -> None:
+        """Compute each batch's target features with `target` (eaglet.train.online.OnlineTarget) inside the step.
+
+        A plain attribute, not a submodule: the frozen target is never in the state dict, the optimizer or DDP,
+        and follows the head to its device on the first step.
+        """
+        self._online_target = target
 
     def init_from_target(
         self, head_weights: dict[str, Tensor], d2t: Tensor, t2d: Tensor, *, load_head: bool = True
@@ -91,6 +100,8 @@ class DraftHeadModule(L.LightningModule):
 
     def _run(self, batch: dict[str, Tensor], *, noise: bool) -> TTTOutput:
         hp = self.hparams
+        if self._online_target is not None:
+            batch = self._online_target.to(self.device).features(batch)
         if noise and hp.feature_noise_std > 0:
             aux = batch["aux_hidden_states"]
             batch = {**batch, "aux_hidden_states": aux + torch.randn_like(aux) * hp.feature_noise_std}

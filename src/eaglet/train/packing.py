@@ -103,6 +103,30 @@ def _allocate(nbytes: int, *, pin_memory: bool, shared: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
 
 
+def _token_layout(t: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {
+        "input_ids": ((t,), torch.long),
+        "loss_mask": ((t,), torch.bool),
+        "document_ids": ((t,), torch.long),
+        "position_ids": ((t,), torch.long),
+    }
+
+
+def _allocate_layout(
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]], *, pin_memory: bool, shared: bool
+) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors of `layout` ({name: (shape, dtype)}), all views of one allocation."""
+    begins, size = [], 0
+    for shape, dtype in layout.values():
+        begins.append(size)
+        size += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    flat = _allocate(size, pin_memory=pin_memory, shared=shared)
+    return {
+        name: flat[begin : begin + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for (name, (shape, dtype)), begin in zip(layout.items(), begins, strict=True)
+    }
+
+
 def packed_buffers(
     tokens_per_batch: int,
     n_aux: int,
@@ -119,23 +143,12 @@ def packed_buffers(
     """
     t = tokens_per_batch
     layout = {
-        "input_ids": ((t,), torch.long),
-        "loss_mask": ((t,), torch.bool),
-        "document_ids": ((t,), torch.long),
-        "position_ids": ((t,), torch.long),
+        **_token_layout(t),
         "aux_hidden_states": ((t, n_aux * hidden), feature_dtype),
         "last_hidden_state": ((t, hidden), feature_dtype),
         "num_real_tokens": ((), torch.long),
     }
-    begins, size = [], 0
-    for shape, dtype in layout.values():
-        begins.append(size)
-        size += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    flat = _allocate(size, pin_memory=pin_memory, shared=shared)
-    return {
-        name: flat[begin : begin + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-        for (name, (shape, dtype)), begin in zip(layout.items(), begins, strict=True)
-    }
+    return _allocate_layout(layout, pin_memory=pin_memory, shared=shared)
 
 
 def _bits(x: torch.Tensor) -> np.ndarray:
@@ -186,22 +199,65 @@ def collate_packed(
     dtype = feature_dtype or sequences[0]["aux_hidden_states"].dtype
     out = packed_buffers(t, n_aux, hidden, dtype, pin_memory=pin_memory, shared=shared)
     aux = out["aux_hidden_states"].view(t, n_aux, hidden)
+    begin = 0
+    for seq, size in zip(sequences, sizes, strict=True):
+        _copy_rows(aux[begin : begin + size], seq["aux_hidden_states"][:size])
+        _copy_rows(out["last_hidden_state"][begin : begin + size], seq["last_hidden_state"][:size])
+        begin += size
+    _zero_rows(out["aux_hidden_states"][begin:])
+    _zero_rows(out["last_hidden_state"][begin:])
+    _fill_tokens(out, sequences, sizes)
+    return out
+
+
+def _fill_tokens(
+    out: dict[str, torch.Tensor], sequences: Sequence[Mapping[str, torch.Tensor]], sizes: Sequence[int]
+) -> int:
+    """Fill a packed row's input_ids, loss_mask, document_ids, position_ids and num_real_tokens (the layout
+    `collate_packed` documents); returns the real tokens."""
+    t = out["input_ids"].shape[0]
     ramp = torch.arange(t)
     begin = 0
     for doc, (seq, size) in enumerate(zip(sequences, sizes, strict=True)):
         end = begin + size
         out["input_ids"][begin:end].copy_(seq["input_ids"][:size])
         out["loss_mask"][begin:end].copy_(seq["loss_mask"][:size])
-        _copy_rows(aux[begin:end], seq["aux_hidden_states"][:size])
-        _copy_rows(out["last_hidden_state"][begin:end], seq["last_hidden_state"][:size])
         out["document_ids"][begin:end] = doc
         out["position_ids"][begin:end] = ramp[:size]
         begin = end
     out["input_ids"][begin:] = 0
     out["loss_mask"][begin:] = False
-    _zero_rows(out["aux_hidden_states"][begin:])
-    _zero_rows(out["last_hidden_state"][begin:])
     out["document_ids"][begin:] = len(sequences)
     out["position_ids"][begin:] = ramp[: t - begin]
     out["num_real_tokens"].fill_(begin)
+    return begin
+
+
+def collate_tokens(
+    sequences: Sequence[Mapping[str, torch.Tensor]],
+    tokens_per_batch: int,
+    *,
+    pin_memory: bool = False,
+    shared: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One packed row of token streams only (as returned by `TokenReader.sequence`): the token fields of
+    `collate_packed`, plus cu_seqlens int32 [D+1], the documents' boundaries (the padding, when any, is the
+    last document), for the target's packed forward (eaglet.target_model.packed_attention)."""
+    _check_budget(tokens_per_batch)
+    if not sequences:
+        raise ValueError("collate_tokens needs at least one sequence")
+    sizes = [min(len(seq["input_ids"]), tokens_per_batch) for seq in sequences]
+    if sum(sizes) > tokens_per_batch:
+        raise ValueError(f"sequences of {sizes} tokens do not fit in tokens_per_batch={tokens_per_batch}")
+    documents = len(sizes) + (sum(sizes) < tokens_per_batch)
+    layout = {
+        **_token_layout(tokens_per_batch),
+        "cu_seqlens": ((documents + 1,), torch.int32),
+        "num_real_tokens": ((), torch.long),
+    }
+    out = _allocate_layout(layout, pin_memory=pin_memory, shared=shared)
+    _fill_tokens(out, sequences, sizes)
+    out["cu_seqlens"][0] = 0
+    out["cu_seqlens"][1 : len(sizes) + 1] = torch.tensor(sizes).cumsum(0)
+    out["cu_seqlens"][-1] = tokens_per_batch
     return out

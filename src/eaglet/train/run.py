@@ -1,4 +1,5 @@
-"""The training stage: shards in, a trained head (checkpoints + serving export + report) out."""
+"""The training stage: shards (or token streams and the target, online) in, a trained head (checkpoints +
+serving export + report) out."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from eaglet.config.choices import TrainFeatures
 from eaglet.config.plain import plain_config
 from eaglet.config.schema import DraftConfig, EagletConfig, ModelConfig, TrainerConfig
 from eaglet.errors import DataError, DiskFullError
@@ -20,12 +22,14 @@ from eaglet.fsutil import atomic_write_json, is_disk_full, remove_temporaries
 from eaglet.run_dir import RunDir, resolve_ckpt_path
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE, shard_dir
+from eaglet.shards.tokens import is_token_store
 from eaglet.target_model.capture import resolve_aux_layer_ids
 from eaglet.train.checkpoints import CheckpointFiles, StepCheckpoint, check_checkpoint, read_checkpoint
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.disk_full import disk_full, said_if_disk_full
 from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
+from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
 from eaglet.train.strategy import build_strategy
 from eaglet.train.tracking import finish_wandb, make_loggers
 
@@ -47,7 +51,13 @@ class TrainSummary:
 
 
 def check_manifest(model: ModelConfig, manifest: Manifest, directory: Path) -> None:
-    """The shards must come from this target, at these layers and this hidden size."""
+    """The shards must hold features, of this target, at these layers and this hidden size."""
+    if is_token_store(manifest):
+        raise DataError(
+            f"{directory} holds token streams only (python extract.py extract.features=tokens), no hidden "
+            "states: train on it with trainer.features=online, or extract hidden states for "
+            "trainer.features=shards"
+        )
     aux_ids = resolve_aux_layer_ids(model)
     t = manifest.target
     checks = [
@@ -75,15 +85,23 @@ def optimizer_steps(tr: TrainerConfig, datamodule: ShardDataModule, plan: Traine
 
 
 def build_module(
-    draft: DraftConfig, tr: TrainerConfig, manifest: Manifest, *, target_norm_eps: float, total_steps: int
+    draft: DraftConfig,
+    tr: TrainerConfig,
+    manifest: Manifest,
+    *,
+    target_norm_eps: float,
+    total_steps: int,
+    num_aux: int | None = None,
 ) -> DraftHeadModule:
-    """The LightningModule for these shards; its hyperparameters are plain values (weights_only checkpoints)."""
+    """The LightningModule for these shards; its hyperparameters are plain values (weights_only checkpoints).
+
+    num_aux: the aux states per token (None: the manifest's layers; online training computes its own)."""
     return DraftHeadModule(
         draft=OmegaConf.to_container(OmegaConf.structured(draft), resolve=True),
         target_hidden_size=manifest.hidden_size,
         vocab_size=manifest.vocab_size,
         draft_vocab_size=draft.vocab_size,
-        num_aux=len(manifest.aux_layer_ids),
+        num_aux=len(manifest.aux_layer_ids) if num_aux is None else num_aux,
         target_norm_eps=target_norm_eps,
         ttt_steps=tr.ttt_steps,
         step_loss_decay=tr.step_loss_decay,
@@ -139,18 +157,27 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     start = time.perf_counter()
     check_machine(cfg.hardware)
     tr = cfg.trainer
-    shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
+    online = tr.features == TrainFeatures.online
+    if online:
+        shards = token_store_dir(cfg)
+    else:
+        shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
     manifest = read_manifest(shards)
     if not manifest.complete:
         raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")
-    check_manifest(cfg.model, manifest, shards)
+    if online:
+        check_token_store(cfg.model, manifest, shards)
+    else:
+        check_manifest(cfg.model, manifest, shards)
     d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
 
     plan = plan_trainer(cfg.hardware, tr)
+    target = load_online_target(cfg, plan, manifest, shards) if online else None
+    aux_layer_ids = target.aux_layer_ids if target is not None else manifest.aux_layer_ids
     run, ckpt_path = run_folder(cfg, run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = ShardDataModule(
+    datamodule = (TokenDataModule if online else ShardDataModule)(
         shards,
         tokens_per_batch=plan.tokens_per_device,
         val_fraction=tr.val_fraction,
@@ -164,9 +191,18 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     total_steps = optimizer_steps(tr, datamodule, plan)
 
     module = build_module(
-        cfg.draft, tr, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=total_steps
+        cfg.draft,
+        tr,
+        manifest,
+        target_norm_eps=cfg.model.rms_norm_eps,
+        total_steps=total_steps,
+        num_aux=len(aux_layer_ids),
     )
-    module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
+    if target is None:
+        module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
+    else:
+        module.init_from_target(target.head_weights(), d2t, t2d)
+        module.attach_target(target)
 
     # Without a version counter a step trained again after a resume rewrites its own file (atomically),
     # rather than adding best-step8-v1.ckpt beside the one its killed predecessor wrote.
@@ -231,7 +267,12 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         return None
     # Exported from a plain copy of the selected checkpoint, whatever strategy trained it.
     selected = build_module(
-        cfg.draft, tr, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=total_steps
+        cfg.draft,
+        tr,
+        manifest,
+        target_norm_eps=cfg.model.rms_norm_eps,
+        total_steps=total_steps,
+        num_aux=len(aux_layer_ids),
     )
     selected.load_state_dict(read_checkpoint(best, map_location="cpu")["state_dict"])
     try:
@@ -239,7 +280,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             selected.head,
             DraftConfig(**OmegaConf.to_container(cfg.draft, resolve=True)),
             run.draft_dir,
-            aux_layer_ids=manifest.aux_layer_ids,
+            aux_layer_ids=aux_layer_ids,
             overwrite=True,  # a run trained again into its folder (a pinned hydra.run.dir) replaces its head
         )
     except DiskFullError:  # the writer's message says to export elsewhere; a run finishes in its folder

@@ -119,7 +119,7 @@ def _run(
         **core.shared_settings(job, aux_ids),
         "target_dtype": job.model.dtype,
         "check_tokenization": ext.vllm.check_tokenization,
-        "regenerate": core.regenerate_settings(ext.regenerate, job.seed) if ext.regenerate.enabled else None,
+        "regenerate": core.regenerate_settings(job, without=()),
     }
     folder = core.start_folder(
         job,

@@ -1,0 +1,116 @@
+"""The target's attention over one packed row: documents back to back, each attending causally within itself.
+
+Online training runs the target over a training micro-batch as it is packed (eaglet.train.packing: position ids
+restarting at 0 per document), so no token is padding and no [T, T] mask exists. The row's document
+boundaries reach every attention layer as forward keyword arguments (`packed_forward_kwargs`); transformers
+hands them to the attention function registered here under PACKED_ATTENTION. On CUDA, in bf16 or fp16, each
+layer is one varlen flash-attention call (torch.nn.attention.varlen) that reads the boundaries on the device:
+no host sync. Elsewhere (CPU, float32) SDPA runs document by document, from boundaries read on the host once
+per forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+
+from eaglet.errors import ConfigError
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch: the per-document path
+    varlen_attn = None
+
+PACKED_ATTENTION = "eaglet_packed"
+_CU_SEQLENS = "eaglet_cu_seqlens"  # int32 [D+1] on the row's device: document d is tokens [cu[d], cu[d+1])
+_MAX_SEQLEN = "eaglet_max_seqlen"  # an upper bound of the documents' lengths (the row's length will do)
+_BOUNDS = "eaglet_document_bounds"  # the same boundaries as a host list: the per-document path
+
+
+def varlen_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether varlen flash attention takes these queries (its kernels: CUDA, half precision, head_dim <= 256)."""
+    return (
+        varlen_attn is not None
+        and device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Switch `model` (a transformers model) to the packed attention; it then needs `packed_forward_kwargs`."""
+    model.set_attn_implementation(PACKED_ATTENTION)
+
+
+def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int, *, varlen: bool) -> dict[str, Any]:
+    """The forward keyword arguments that carry a packed row's boundaries to every attention layer.
+
+    varlen: the layers run varlen flash attention (see `varlen_applies`), which reads `cu_seqlens` on the
+    device; otherwise the boundaries are read on the host here, once for all layers.
+    """
+    if varlen:
+        return {_CU_SEQLENS: cu_seqlens.to(torch.int32), _MAX_SEQLEN: int(max_seqlen)}
+    return {_BOUNDS: cu_seqlens.tolist()}
+
+
+def packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [1, Hq, T, D], key/value [1, Hkv, T, D] in, the output
+    [1, T, Hq, Dv] and no weights out."""
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
+    if kwargs.get("sliding_window") is not None:
+        raise ConfigError(
+            f"{type(module).__name__} uses sliding-window attention, which online training does not run; "
+            "extract hidden states and train from shards (trainer.features=shards)"
+        )
+    gqa = query.shape[1] != key.shape[1]
+    if _BOUNDS in kwargs:
+        bounds = kwargs[_BOUNDS]
+        documents = [
+            F.scaled_dot_product_attention(
+                query[:, :, a:b],
+                key[:, :, a:b],
+                value[:, :, a:b],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        return torch.cat(documents, dim=2).transpose(1, 2), None
+    if _CU_SEQLENS not in kwargs:
+        raise RuntimeError(
+            f"attention implementation {PACKED_ATTENTION!r} needs a packed row's boundaries: pass "
+            "packed_forward_kwargs(...) to the model's forward"
+        )
+    cu, longest = kwargs[_CU_SEQLENS], kwargs[_MAX_SEQLEN]
+    out = varlen_attn(
+        query[0].transpose(0, 1).contiguous(),
+        key[0].transpose(0, 1).contiguous(),
+        value[0].transpose(0, 1).contiguous(),
+        cu,
+        cu,
+        longest,
+        longest,
+        scale=scaling,
+        window_size=(-1, 0),  # causal
+        enable_gqa=gqa,
+    )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
