@@ -2,6 +2,7 @@
 
 python extract.py                                   # embedded default: SmolLM2-135M-Instruct on CPU
 python extract.py model=llama3_1_8b model.path=/models/Llama-3.1-8B-Instruct dataset=sharegpt hardware=h200_x1
+python extract.py extract.features=tokens           # token streams and counts only, for trainer.features=online
 """
 
 import hydra

@@ -25,6 +25,7 @@ from eaglet.extract.stage import run_extraction
 from eaglet.shards import ShardReader, build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.shards.tokens import TokenReader
+from eaglet.sweeps.trial import check_sweep_settings
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.online import TokenDataModule, check_target_fits, load_online_target
@@ -274,6 +275,11 @@ def test_misuse_is_refused_before_training(
     with pytest.raises(error, match=match):
         run_training(compose(*train_overrides(where, tmp_path, *extra)), tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_sweeps_refuse_online_training(compose) -> None:
+    with pytest.raises(ConfigError, match="sweep with trainer.features=shards"):
+        check_sweep_settings(compose("trainer.features=online"))
 
 
 def test_tokens_need_the_transformers_backend(compose, tmp_path: Path) -> None:

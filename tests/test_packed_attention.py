@@ -11,10 +11,12 @@ import eaglet.target_model.packed_attention as packed
 from eaglet.target_model.packed_attention import packed_forward_kwargs, use_packed_attention, varlen_applies
 
 
-def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                     enable_gqa=False):  # fmt: skip
     """torch's varlen_attn contract ([T, H, D] tensors, causal for window (-1, 0)), document by document."""
     assert window_size == (-1, 0) and cu_q is cu_k and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
     assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+    assert enable_gqa or query.shape[1] == key.shape[1]
     bounds = cu_q.tolist()
     out = [
         F.scaled_dot_product_attention(
@@ -24,6 +26,12 @@ def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale, wind
         for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     ]  # fmt: skip
     return torch.cat(out)
+
+
+def reference_varlen_2_10(query, key, value, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's varlen_attn: `is_causal`, no scale, as many key/value heads as query heads."""
+    assert is_causal and query.shape[1] == key.shape[1]
+    return reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, window_size=(-1, 0))
 
 
 @pytest.fixture
@@ -36,7 +44,7 @@ def target() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("path", ["per_document", "varlen"])
+@pytest.mark.parametrize("path", ["per_document", "varlen", "varlen_2_10"])
 def test_a_packed_row_gives_each_document_its_own_forward(target, monkeypatch, path: str) -> None:
     lengths = [5, 1, 9, 3]
     ids = torch.randint(0, 97, (sum(lengths),), generator=torch.Generator().manual_seed(1))
@@ -47,9 +55,11 @@ def test_a_packed_row_gives_each_document_its_own_forward(target, monkeypatch, p
     use_packed_attention(target)
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n) for n in lengths])
-    if path == "varlen":  # the CUDA kernel's contract, on the CPU: what eaglet hands it and reads back
-        monkeypatch.setattr(packed, "varlen_attn", reference_varlen)
-    kwargs = packed_forward_kwargs(cu, sum(lengths), varlen=path == "varlen")
+    # The CUDA kernel's contract, on the CPU: what eaglet hands it and reads back.
+    fakes = {"varlen": reference_varlen, "varlen_2_10": reference_varlen_2_10}
+    if path in fakes:
+        monkeypatch.setattr(packed, "varlen_attn", fakes[path])
+    kwargs = packed_forward_kwargs(cu, sum(lengths), varlen=path in fakes)
     with torch.no_grad():
         together = target(
             input_ids=ids[None], position_ids=positions[None], output_hidden_states=True, **kwargs

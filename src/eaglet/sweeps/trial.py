@@ -43,6 +43,12 @@ def check_sweep_settings(cfg: EagletConfig) -> None:
     sw = cfg.sweep
     if sw.max_draft_length < 1:
         raise ConfigError(f"sweep.max_draft_length must be >= 1, got {sw.max_draft_length}")
+    if cfg.trainer.features == "online":
+        # Each trial measures its head's τ_sim at every draft length on the validation shards' features.
+        raise ConfigError(
+            "sweeps read the target's features from shards (each trial's τ_sim curve): extract hidden states "
+            "and sweep with trainer.features=shards"
+        )
 
 
 def vocab_coverage(shards: Path, draft_vocab_size: int) -> float:

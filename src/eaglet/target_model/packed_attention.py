@@ -11,6 +11,9 @@ per forward.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 from typing import Any
 
 import torch
@@ -97,20 +100,36 @@ def packed_attention(
             f"attention implementation {PACKED_ATTENTION!r} needs a packed row's boundaries: pass "
             "packed_forward_kwargs(...) to the model's forward"
         )
-    cu, longest = kwargs[_CU_SEQLENS], kwargs[_MAX_SEQLEN]
-    out = varlen_attn(
-        query[0].transpose(0, 1).contiguous(),
-        key[0].transpose(0, 1).contiguous(),
-        value[0].transpose(0, 1).contiguous(),
-        cu,
-        cu,
-        longest,
-        longest,
-        scale=scaling,
-        window_size=(-1, 0),  # causal
-        enable_gqa=gqa,
-    )
+    out = _causal_varlen(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        kwargs[_CU_SEQLENS], kwargs[_MAX_SEQLEN], scaling,
+    )  # fmt: skip
     return out.unsqueeze(0), None
+
+
+@functools.cache
+def _parameters(function: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)  # once, not in every layer of every step
+
+
+def _causal_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None
+) -> torch.Tensor:
+    """Causal varlen flash attention over [T, H, D] tensors, through whichever varlen_attn this torch has: 2.10
+    takes `is_causal` and neither a scale nor fewer key/value heads; 2.11 takes `scale` and `window_size`;
+    2.12 on also `enable_gqa`."""
+    params = _parameters(varlen_attn)
+    options: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        options["scale"] = scale
+    elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):
+        q = q * (scale * q.shape[-1] ** 0.5)  # the kernel's own scale is 1/sqrt(D)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and "enable_gqa" in params:
+        options["enable_gqa"] = True
+    elif groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, **options)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
