@@ -2,23 +2,11 @@
 
 python export.py                                           # the newest run, EAGLE format (vLLM, SGLang)
 python export.py export.run=outputs/train/<time> export.format=speculators export.out_dir=/models/draft
+
+The same command is installed as `eaglet-export` (eaglet.cli.export).
 """
 
-import hydra
-
-from eaglet.cli import user_errors
-from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
-from eaglet.config.schema import EagletConfig
-from eaglet.export.stage import run_export
-
-
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-@user_errors
-def main(cfg: EagletConfig) -> None:
-    check_config(cfg)
-    out = run_export(cfg)
-    print(f"exported ({cfg.export.format} format, names and shapes checked): {out}")
-
+from eaglet.cli.export import main
 
 if __name__ == "__main__":
     main()

@@ -4,23 +4,11 @@ python plan.py model=kimi_k2_5 dataset=sharegpt plan.conversations=600000 hardwa
 python plan.py model=kimi_k2_5 dataset=sharegpt plan.conversations=600000 \
     plan.compare=[rtx_pro6000_x8,b200_nvl8,b300_nvl8]
 python plan.py model=llama3_1_8b plan.tokens=2000000000 plan.serving.acceptance_from=outputs/train/<time>/eval.json
+
+The same command is installed as `eaglet-plan` (eaglet.cli.plan).
 """
 
-import hydra
-from omegaconf import OmegaConf
-
-from eaglet.cli import user_errors
-from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
-from eaglet.config.schema import EagletConfig
-from eaglet.plan.stage import run_plan
-
-
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-@user_errors
-def main(cfg: EagletConfig) -> None:
-    check_config(cfg)
-    run_plan(OmegaConf.to_object(cfg))
-
+from eaglet.cli.plan import main
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ from queue import Queue
 from eaglet.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
-# Each choice changes one thing against the experiment's own settings (experiments/smollm2_gpu.yaml).
+# Each choice changes one thing against the experiment's own settings (src/eaglet/conf/experiments/smollm2_gpu.yaml).
 TRIALS: dict[str, list[str]] = {
     "base": [],
     "ttt3": ["trainer.ttt_steps=3"],

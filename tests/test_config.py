@@ -250,10 +250,9 @@ def test_a_model_of_your_own_without_a_draft_file_is_asked_for_one(tmp_path: Pat
 
 
 def _clone(root: Path) -> Path:
-    """A checkout without the package: an entry script and its config groups; the code is the shared one."""
+    """A checkout without the package: an entry script; the code and its config groups are the shared ones."""
     root.mkdir()
     shutil.copy(REPO_ROOT / "plan.py", root)
-    shutil.copytree(CONF_DIR, root / "conf")
     return root
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from volumes import small_volume
 
-from eaglet.config import REPO_ROOT
+from eaglet.config import ASSETS_DIR, REPO_ROOT
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.stage import run_extraction
 from eaglet.shards import ShardReader, load_token_counts, read_manifest
@@ -274,7 +274,7 @@ def test_conversations_without_assistant_are_skipped_and_counted(compose, tmp_pa
 
 def test_answers_of_another_model_are_not_imported(compose, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
-    shipped = REPO_ROOT / "experiments" / "data" / "smollm2_135m_shared_all.jsonl.gz"
+    shipped = ASSETS_DIR / "smollm2_135m_shared_all.jsonl.gz"
     regen = ["extract.regenerate.enabled=true", f"extract.regenerate.import_from={shipped}"]
     with pytest.raises(ConfigError, match="does not start with the target's name 'tiny_llama'"):
         run_extraction(compose(*overrides(data, tmp_path / "out", *regen)))

@@ -1,8 +1,12 @@
 """Registers the structured-config schema and the resolvers every composing process needs.
 
-Two roots, kept apart so that several checkouts can share one virtualenv:
-- REPO_ROOT, the checkout this code comes from: the config roots (conf/, sweeps/, experiments/) and the
-  files shipped beside them; `${eaglet_repo:}` in the configs.
+Where things are, kept apart so that several checkouts can share one virtualenv and an installed package
+works from any directory:
+- CONF_DIR, the config groups (conf/ inside the package: model, dataset, ..., experiments, sweeps), and
+  ASSETS_DIR, the data files shipped with the package (`${eaglet_assets:}` in the configs); both come with
+  the code, in a checkout as in an installed wheel.
+- REPO_ROOT, the source checkout this code comes from (entry scripts, benchmarks, experiment reports);
+  `${eaglet_repo:}` in the configs. An installed package has none: use ${eaglet_assets:} for shipped files.
 - the project root, where a run reads and writes: data/, outputs/, .cache/ and ../shared/data are looked
   for there; `${eaglet_root:}` in the configs. It is $EAGLET_ROOT when set, else the working directory.
 """
@@ -17,9 +21,11 @@ from omegaconf import OmegaConf
 
 from eaglet.config.schema import EagletConfig
 
-# src/eaglet/config/registry.py -> the checkout's root, where conf/ and the entry scripts live.
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+CONF_DIR = PACKAGE_DIR / "conf"
+ASSETS_DIR = PACKAGE_DIR / "assets"
+# src/eaglet/config/registry.py -> the checkout's root, where the entry scripts live.
 REPO_ROOT = Path(__file__).resolve().parents[3]
-CONF_DIR = REPO_ROOT / "conf"
 
 
 def project_root() -> Path:
@@ -30,7 +36,11 @@ def project_root() -> Path:
 def register_configs() -> None:
     """Idempotent: entry points, tests and DDP children all call it before composing."""
     ConfigStore.instance().store(name="eaglet_schema", node=EagletConfig)
-    if not OmegaConf.has_resolver("eaglet_root"):
-        OmegaConf.register_new_resolver("eaglet_root", lambda: str(project_root()))
-    if not OmegaConf.has_resolver("eaglet_repo"):
-        OmegaConf.register_new_resolver("eaglet_repo", lambda: str(REPO_ROOT))
+    resolvers = {
+        "eaglet_root": lambda: str(project_root()),
+        "eaglet_repo": lambda: str(REPO_ROOT),
+        "eaglet_assets": lambda: str(ASSETS_DIR),
+    }
+    for name, resolver in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
