@@ -182,6 +182,13 @@ def test_empty_and_assistant_less_data(compose, tmp_path: Path) -> None:
         run_extraction(compose(*overrides(prompts, tmp_path / "out")))
 
 
+def test_jsonl_dataset_without_files_says_what_to_pass(compose, tmp_path: Path) -> None:
+    """Issue 22: it ended in omegaconf's MissingMandatoryValue traceback."""
+    no_paths = [o for o in overrides(tmp_path / "unused.jsonl", tmp_path / "out") if "dataset.paths" not in o]
+    with pytest.raises(ConfigError, match=r"dataset=jsonl .* dataset.paths=\[/data/a.jsonl,/data/b.jsonl\]"):
+        run_extraction(compose(*no_paths))
+
+
 def test_layer_id_out_of_range(compose, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
     with pytest.raises(ConfigError, match="aux_layer_ids"):

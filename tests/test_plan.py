@@ -488,12 +488,19 @@ def test_cli_motivating_scenario(tmp_path: Path):
         (["plan.compare=[rtx_pro6000_x8,no_such_box]"], "unknown hardware 'no_such_box'"),
         (["hardware=b200_nvl8", "plan.tokens=0"], "plan.tokens must be > 0"),
         (["hardware=cpu"], "hardware 'cpu' has no bf16_tflops"),
+        (["hardware=h200_x1", "dataset=jsonl"], "pass them as dataset.paths=[/data/a.jsonl"),
     ],
 )
 def test_cli_bad_input_is_one_line(tmp_path: Path, overrides: list[str], message: str):
     proc = run_plan(tmp_path, "model=kimi_k2_5", *overrides)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr, proc.stderr
+
+
+def test_cli_sizes_a_jsonl_dataset_without_files_from_plan_tokens(tmp_path: Path):
+    proc = run_plan(tmp_path, "hardware=h200_x1", "dataset=jsonl", "plan.tokens=1000000")
+    assert proc.returncode == 0, proc.stderr
+    assert "plan overrides only" in proc.stdout and "dataset.paths=" in proc.stdout
 
 
 @pytest.mark.e2e

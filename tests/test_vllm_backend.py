@@ -511,6 +511,10 @@ def test_engine_kwargs_follow_overrides_and_dense_targets(compose) -> None:
         )
     with pytest.raises(ConfigError, match="model.source=path model.path="):
         launch_plan(compose(), LayerLayout.for_target([2], 30))  # the embedded GGUF default
+    # Kimi's source is already `path`: only the folder is missing, and the message says just that.
+    with pytest.raises(ConfigError, match="set model.path=/path/to/weights") as missing:
+        launch_plan(compose("model=kimi_k2_5", "hardware=h200_x1"), LayerLayout.for_target([2, 30, 58], 61))
+    assert "model.source" not in str(missing.value)
 
 
 def test_printed_serve_command(compose) -> None:

@@ -20,6 +20,9 @@ def main(cfg: EagletConfig) -> None:
     check_config(cfg)
     from eaglet.plan.stage import run_plan
 
+    if OmegaConf.is_missing(cfg.dataset, "paths"):  # dataset=jsonl without files: sized from plan.* alone
+        cfg.dataset.paths = []
+
     run_plan(OmegaConf.to_object(cfg))
 
 

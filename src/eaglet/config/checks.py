@@ -177,7 +177,7 @@ def check_hardware(hw: HardwareConfig, tr: TrainerConfig) -> None:
 
 
 def check_dataset(dataset: DatasetConfig) -> None:
-    # dataset.paths may stay unset (dataset=jsonl) for stages that read no data; the loader asks for it.
+    # dataset.paths may stay unset (dataset=jsonl) for stages that read no data; eaglet.data.dataset asks for it.
     if not OmegaConf.is_missing(dataset, "paths") and not dataset.paths:
         raise ConfigError(f"dataset.paths is empty (dataset={dataset.name}): list its JSONL files")
     at_least("dataset", {"max_records_per_file": dataset.max_records_per_file}, 1, hint=" (null = all)")

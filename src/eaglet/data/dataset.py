@@ -6,10 +6,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from eaglet.config.schema import DatasetConfig
 from eaglet.data.conversations import Conversation, load_conversations
 from eaglet.data.holdout import drop_held_out, eval_set_prompts
 from eaglet.errors import ConfigError, DataError
+
+
+def dataset_files(dataset: DatasetConfig) -> list[str]:
+    """dataset.paths; none (dataset=jsonl without files) is one message saying what to pass."""
+    if (OmegaConf.is_config(dataset) and OmegaConf.is_missing(dataset, "paths")) or not dataset.paths:
+        raise ConfigError(
+            f"dataset={dataset.name} reads your own JSONL files and none were given: pass them as "
+            f"dataset.paths=[/data/a.jsonl,/data/b.jsonl] (conversations in the shared schema)"
+        )
+    return list(dataset.paths)
 
 
 def load_dataset(
@@ -39,7 +51,7 @@ def load_dataset(
     conversations: list[Conversation] = []
     seen: dict[str, str] = {}
     no_assistant = 0
-    for path in dataset.paths:
+    for path in dataset_files(dataset):
         part, stats = load_conversations(
             [path],
             max_records=dataset.max_records_per_file,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eaglet.config.schema import DatasetConfig, ExtractConfig, PlanConfig
 from eaglet.data.conversations import Conversation, load_conversations
+from eaglet.data.dataset import dataset_files
 from eaglet.errors import ConfigError, EagletError
 
 
@@ -71,7 +72,7 @@ def _sample(conv: Conversation, plan: PlanConfig, extract: ExtractConfig) -> _Sa
 
 def _read_samples(plan: PlanConfig, dataset: DatasetConfig, extract: ExtractConfig) -> list[_Sample]:
     conversations: list[Conversation] = []
-    for path in dataset.paths:
+    for path in dataset_files(dataset):
         part, _ = load_conversations(
             [path],
             max_records=dataset.max_records_per_file,

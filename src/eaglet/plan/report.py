@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from eaglet.plan.acceptance import AcceptanceCurve
@@ -93,7 +94,7 @@ def data_table(run: PlannedRun, data: DataSize) -> Table:
             else "off (extract.regenerate.enabled=false)",
         ),
         ("mean causal context", f"{data.mean_context:,.0f} tokens"),
-        ("sized from", data.source),
+        ("sized from", escape(data.source)),  # (it may quote an override like dataset.paths=[...])
     ]
     for key, value in rows:
         table.add_row(key, value)

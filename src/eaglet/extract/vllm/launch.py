@@ -47,10 +47,15 @@ def storage_dir(job: ExtractionJob) -> Path:
 
 
 def model_path(model: ModelConfig) -> str:
-    if model.source != "path" or not model.path or model.path == "???":
+    if model.source != "path":
         raise ConfigError(
             f"extract.backend=vllm serves the target from a Hugging Face folder, but model {model.name!r} has "
             f"model.source='{model.source}'; set model.source=path model.path=/path/to/weights"
+        )
+    if not model.path or model.path == "???":  # (unset: the "???" of conf/model/kimi_k2_5.yaml)
+        raise ConfigError(
+            f"extract.backend=vllm serves model {model.name!r} from its Hugging Face folder, and none is given: "
+            "set model.path=/path/to/weights (the folder with config.json and the weights)"
         )
     return str(model.path)
 
