@@ -154,6 +154,38 @@ def test_replayed_curve_ends_at_real_decoding_of_the_longest_draft_length(tiny) 
     assert curve["new_tokens"] == 3 * NEW_TOKENS and measured["tau"] > 1.0
 
 
+class _Rendered(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("overrides", "variables"),
+    [
+        (["+model.chat_template_kwargs.thinking=false"], {"thinking": False}),
+        (
+            ["extract.regenerate.endpoint=http://127.0.0.1:9/v1", "extract.regenerate.thinking=true"],
+            {"thinking": True, "enable_thinking": True},
+        ),
+    ],
+)
+def test_decoded_prompts_are_rendered_with_the_template_variables(
+    compose, monkeypatch, tmp_path: Path, overrides: list[str], variables: dict
+) -> None:
+    """Issue 22: the sweep's decoding rendered its prompts without them, unlike evaluation and extraction."""
+    import eaglet.sweeps.decode as decode
+
+    seen = []
+
+    def resolve(tokenizer, override, passed=None):
+        seen.append(passed)
+        raise _Rendered
+
+    monkeypatch.setattr(decode, "resolve_chat_template", resolve)
+    with pytest.raises(_Rendered):
+        decode.decode_curve(compose("model=tiny_llama", *overrides), tmp_path, 2)
+    assert seen == [variables]
+
+
 def test_tau_curve_is_the_simulated_tau_at_each_length() -> None:
     assert tau_curve([0.5, 0.5, 0.0]) == [1.5, 1.75, 1.75]
     assert tau_curve([1.0, 1.0]) == [2.0, 3.0]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.config.schema import EagletConfig
-from eaglet.data.templating import resolve_chat_template
+from eaglet.data.templating import chat_template_variables, resolve_chat_template
 from eaglet.errors import DataError
 from eaglet.evaluate.acceptance import DecodeStats
 from eaglet.evaluate.metrics import check_lossless
@@ -30,7 +30,9 @@ def decode_curve(cfg: EagletConfig, draft_dir: Path, k_max: int) -> dict[str, An
     """The head in `draft_dir` against the target of `cfg.model`, on the evaluator's prompt sets."""
     ev = cfg.eval
     target = load_target(cfg.model, device=ev.device, cache_dir=Path(cfg.paths.cache_dir))
-    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
+    # The template variables (thinking switch, model.chat_template_kwargs) every other rendering passes.
+    variables = chat_template_variables(cfg.model, cfg.extract.regenerate)
+    template = resolve_chat_template(target.tokenizer, cfg.model.chat_template, variables)
     embed = target.parts.embed_tokens.weight.detach().float().cpu()
     head, _, aux_ids = load_eagle_draft(draft_dir, embed_tokens=embed)
     proposer = Eagle3Proposer(head.to(target.device), aux_ids)
