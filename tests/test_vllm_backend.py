@@ -714,6 +714,71 @@ def test_server_version_and_reachability_are_checked_first(
     assert not (tmp_path / "out").exists()
 
 
+class ScriptedServer:
+    """/version and /v1/models as vLLM answers them; /v1/completions answers from `script` in turn:
+    (status, headers) per request, then 200 with a file path."""
+
+    def __init__(self, script: list[tuple[int, dict[str, str]]]) -> None:
+        self.script, self.times = list(script), []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, obj: dict, code: int = 200, headers: dict[str, str] | None = None) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                for key, value in {"Content-Type": "application/json", **(headers or {})}.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/version":
+                    self._send({"version": "0.25.1"})
+                else:
+                    self._send({"data": [{"id": "m", "max_model_len": 4096}]})
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.times.append(time.monotonic())
+                if outer.script:
+                    code, headers = outer.script.pop(0)
+                    self._send({"error": f"scripted {code}"}, code, headers)
+                else:
+                    self._send({"kv_transfer_params": {"hidden_states_path": "/tmp/done.safetensors"}})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_server_client_retries_429_and_5xx_after_retry_after_and_stops_on_other_4xx(compose) -> None:
+    """Issue 22: the hand-written loop gave up on 429 at once and never read Retry-After."""
+    from eaglet.extract.vllm.server import ServerError, ServerSource
+
+    fake = ScriptedServer([(429, {"Retry-After": "2"}), (503, {})])
+    try:
+        vc = compose(f"extract.vllm.url={fake.url}", "extract.vllm.max_retries=3").extract.vllm
+        source = ServerSource(vc, architecture="llama", max_model_len=2049)
+        assert source.extract([[1, 2, 3]]) == [Path("/tmp/done.safetensors")]
+        assert len(fake.times) == 3
+        assert fake.times[1] - fake.times[0] >= 1.9  # the server's Retry-After, not the 0.5 s first backoff
+        fake.script, fake.times = [(400, {})], []
+        with pytest.raises(ServerError, match=r"POST .*/v1/completions: HTTP 400: .*scripted 400"):
+            source.extract([[1, 2, 3]])
+        assert len(fake.times) == 1  # not retried
+        source.close()
+    finally:
+        fake.close()
+
+
 # --------------------------------------------------------------------------- the stage with an in-process engine
 
 

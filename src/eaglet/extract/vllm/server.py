@@ -1,19 +1,21 @@
 """A vLLM server the user started (with the command eaglet prints) as a source of hidden states.
 
-Plain HTTP on vLLM's OpenAI-compatible server: GET /version and /v1/models at start, POST /tokenize for the
-tokenization check, POST /v1/completions with token ids as the prompt and max_tokens=1 per sequence;
-each response's `kv_transfer_params.hidden_states_path` names the file the connector wrote.
+Requests go through the `openai` client on vLLM's OpenAI-compatible server: GET /version and /v1/models at
+start, POST /tokenize for the tokenization check, POST /v1/completions with token ids as the prompt and
+max_tokens=1 per sequence; each response's `kv_transfer_params.hidden_states_path` names the file the
+connector wrote. The client retries connection errors, timeouts, 408/409, 429 and 5xx up to
+`extract.vllm.max_retries` times, with exponential backoff and jitter (0.5 s doubling to 8 s), or after the
+server's Retry-After (up to 2 minutes); any other 4xx stops the run with the server's message.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import openai
 
 from eaglet.config.schema import VllmConfig
 from eaglet.errors import ConfigError, DataError
@@ -22,18 +24,25 @@ from eaglet.extract.vllm.version import check_version
 
 
 class ServerError(DataError):
-    """The server answered a request with an error that retrying does not fix."""
+    """The server refused a request (an error retrying does not fix), or did not answer after every retry."""
 
 
 class ServerSource:
     def __init__(self, cfg: VllmConfig, *, architecture: str, max_model_len: int) -> None:
         self.base = normalize_url(cfg.url or "")
-        self.timeout, self.retries, self.concurrency = cfg.request_timeout_s, cfg.max_retries, cfg.concurrency
+        self.concurrency = cfg.concurrency
         if self.concurrency < 1:
             raise ConfigError(f"extract.vllm.concurrency={self.concurrency}: must be at least 1")
+        self.client = openai.OpenAI(
+            base_url=self.base + "/",
+            # vLLM accepts any key unless started with --api-key; the client insists on one.
+            api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
+            max_retries=cfg.max_retries,
+            timeout=cfg.request_timeout_s,
+        )
         try:
             version = self._call("GET", "/version", retries=0)["version"]
-        except (OSError, KeyError, ServerError) as err:
+        except (KeyError, TypeError, ServerError) as err:
             raise ConfigError(
                 f"no vLLM server answers at {cfg.url} ({_reason(err)}); start it with the `vllm serve` command "
                 "printed above, or fix extract.vllm.url"
@@ -74,32 +83,24 @@ class ServerSource:
         return self._map(one, prompts)
 
     def close(self) -> None:
-        pass
+        self.client.close()
 
     def _map(self, fn: Any, items: list[Any]) -> list[Any]:
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="vllm-client") as pool:
             return list(pool.map(fn, items))
 
     def _call(self, method: str, path: str, body: dict | None = None, *, retries: int | None = None) -> Any:
-        """One JSON request; connection failures, timeouts and 5xx answers are retried with backoff."""
-        retries = self.retries if retries is None else retries
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        for attempt in range(retries + 1):
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as err:
-                detail = err.read().decode(errors="replace")[:300]
-                if err.code < 500 or attempt == retries:
-                    raise ServerError(f"{method} {self.base}{path}: HTTP {err.code}: {detail}") from None
-            except OSError:  # refused, reset, timed out
-                if attempt == retries:
-                    raise
-            time.sleep(min(0.5 * 2**attempt, 30.0))
-        raise AssertionError("unreachable")
+        """One JSON request (retried by the client as the module docstring says); its answer as parsed JSON."""
+        options: Any = {} if retries is None else {"max_retries": retries}
+        try:
+            if method == "GET":
+                return self.client.get(path, cast_to=object, options=options)
+            return self.client.post(path, body=body, cast_to=object, options=options)
+        except openai.APIStatusError as err:
+            detail = err.response.text[:300]
+            raise ServerError(f"{method} {self.base}{path}: HTTP {err.status_code}: {detail}") from None
+        except openai.APIConnectionError as err:  # refused, reset, timed out: after the last retry
+            raise ServerError(f"{method} {self.base}{path}: no answer ({_reason(err)})") from None
 
 
 def normalize_url(url: str) -> str:
@@ -111,6 +112,5 @@ def normalize_url(url: str) -> str:
 
 
 def _reason(err: BaseException) -> str:
-    if isinstance(err, urllib.error.URLError):
-        return str(err.reason)
-    return str(err) or type(err).__name__
+    cause = err.__cause__ or err  # the client wraps the transport's error
+    return str(cause) or type(cause).__name__
