@@ -109,6 +109,8 @@ def test_an_installed_package_runs_from_any_directory(tmp_path: Path) -> None:
     shipped = re.search(r"import_from: (\S+)", job).group(1)
     assert shipped.startswith(str(site)) and Path(shipped).is_file()
     assert "sweeps: draft_length_vocab, optuna_tau" in run(str(bin_dir / "eaglet-train"), "--help")
+    hydra_cfg = run(str(bin_dir / "eaglet-train"), "sweeps=draft_length_vocab", "--cfg", "hydra")
+    assert "_target_: hydra_plugins.eaglet_launcher.TrialLogsLocalLauncher" in hydra_cfg  # installed too
     plan = run(str(bin_dir / "eaglet-plan"), "hardware=h200_x1", "plan.tokens=100000")
     assert "Under 24 h: h200_x1" in plan
     assert len(list((elsewhere / "outputs" / "plan").glob("*/.hydra/config.yaml"))) == 1

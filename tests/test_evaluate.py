@@ -150,6 +150,29 @@ def test_speculative_output_equals_greedy(target, eagle_head, k: int) -> None:
     assert "| ngram |" in table and "| eagle3 |" in table and f"acc@{k}" in table
 
 
+def test_progress_is_shown_prompt_by_prompt(target, capsys) -> None:
+    """Issue 22: nothing was shown until a whole prompt set had been decoded."""
+    evaluate_prompts(
+        target, {"ngram": NgramProposer()}, _prompts()[:2], num_spec_tokens=2, max_new_tokens=4, desc="code"
+    )
+    assert re.search(r"code: .*2/2 .*prompt", capsys.readouterr().err)
+
+
+def test_acceptance_plot_numbers_the_draft_positions(tmp_path: Path, monkeypatch) -> None:
+    import matplotlib.pyplot as plt
+
+    from eaglet.evaluate.stage import plot_acceptance
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at
+    rates = {
+        "eaglet": {"tau": 1.6, "acceptance_rates": [0.5, 0.3, 0.1]},
+        "ngram": {"tau": 1.2, "acceptance_rates": [0.2, 0.1, 0.0]},
+    }
+    plot_acceptance({"sets": {"code": {"prompts": 2, "results": rates}}}, tmp_path / "acceptance.png")
+    assert list(figures[0].axes[0].get_xticks()) == [1, 2, 3]  # not 1.0, 1.25, 1.5, ...
+
+
 def test_a_verifier_that_accepts_one_token_too_many_is_caught(target, eagle_head, monkeypatch) -> None:
     real = acceptance.accepted_length
     monkeypatch.setattr(

@@ -137,7 +137,7 @@ def test_replay_all_sums_prompts_and_tau_grows_with_the_draft_length(tiny, eagle
     assert totals[0].tau < totals[1].tau < totals[3].tau
 
 
-def test_replayed_curve_ends_at_real_decoding_of_the_longest_draft_length(tiny) -> None:
+def test_replayed_curve_ends_at_real_decoding_of_the_longest_draft_length(tiny, capsys) -> None:
     _, target = tiny
     curve = replayed_curve(
         target,
@@ -152,6 +152,7 @@ def test_replayed_curve_ends_at_real_decoding_of_the_longest_draft_length(tiny) 
     measured = curve["measured_at_max_draft_length"]
     assert curve["tau"][-1] == pytest.approx(measured["tau"]) and measured["near_ties"] == 0
     assert curve["new_tokens"] == 3 * NEW_TOKENS and measured["tau"] > 1.0
+    assert "3/3" in capsys.readouterr().err  # progress per prompt
 
 
 class _Rendered(Exception):
@@ -358,7 +359,8 @@ def test_sweep_files_compose_into_multiruns(model_cache: Path, name: str, sweepe
     finally:
         GlobalHydra.instance().clear()
     assert cfg.sweep.enabled and cfg.hydra.mode.name == "MULTIRUN"
-    assert sweeper in cfg.hydra.sweeper._target_ and "submitit" in cfg.hydra.launcher._target_
+    assert sweeper in cfg.hydra.sweeper._target_
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.eaglet_launcher.TrialLogsLocalLauncher"  # submitit's
     assert set(cfg.hydra.sweeper.params) == {"trainer.ttt_steps", "draft.vocab_size"}
     # One folder per sweep, named after it: also the W&B group of its trials.
     assert Path(cfg.hydra.sweep.dir).name.startswith(f"{name}-")
@@ -413,6 +415,14 @@ def _sweep(name: str, shards: Path, out: Path, cache: Path, *extra: str) -> Path
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (sweep_dir,) = (out / "multirun").glob(f"{name}-*")
+    # Issue 22: the terminal said nothing of where a trial's output goes; each trial's folder links it.
+    for trial_json in sweep_dir.glob("*/sweep_trial.json"):
+        trial = trial_json.parent
+        assert (
+            f"sweep trial #{trial.name} (" in proc.stdout
+            and f"output in {trial / 'trial.out'}" in proc.stdout
+        )
+        assert "sweep trial" in (trial / "trial.out").read_text() + (trial / "trial.err").read_text()
     return sweep_dir
 
 

@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from eaglet.evaluate.acceptance import DecodeStats
 from eaglet.evaluate.proposers import Proposer
@@ -47,9 +48,12 @@ def evaluate_prompts(
     max_new_tokens: int,
     stop_ids: Collection[int] = (),
     tie_tolerance: float = 0.0,
+    desc: str = "evaluate",
 ) -> dict[str, dict[str, Any]]:
     """Per proposer name: tau, acceptance_rates (per draft position), tokens_per_forward, speedup (greedy
-    seconds / speculative seconds, same prompts, same machine), and the raw counts behind them."""
+    seconds / speculative seconds, same prompts, same machine), and the raw counts behind them.
+
+    A progress bar labelled `desc` advances once per prompt (greedy plus every proposer)."""
     if not prompts:
         return {}
     # Untimed warm-up: first calls pay for lazy initialisation (allocator, kernels, CUDA context).
@@ -67,7 +71,7 @@ def evaluate_prompts(
     totals = {name: DecodeStats() for name in proposers}
     near_ties = dict.fromkeys(proposers, 0)
     greedy_seconds = 0.0
-    for index, prompt in enumerate(prompts):
+    for index, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
         reference, seconds = greedy_decode(target, prompt, max_new_tokens, stop_ids)
         greedy_seconds += seconds
         for name, proposer in proposers.items():

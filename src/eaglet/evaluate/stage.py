@@ -137,6 +137,7 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
             max_new_tokens=ev.max_new_tokens,
             stop_ids=stop_ids,
             tie_tolerance=ev.tie_tolerance,
+            desc=name,
         )
         results["sets"][name] = {"prompts": len(prompts), "overlap_dropped": overlap, "results": per_proposer}
         print(f"\n{name}: {len(prompts)} prompts ({overlap} overlapping training prompts dropped)")
@@ -172,6 +173,7 @@ def plot_acceptance(results: dict[str, Any], path: Path) -> Path:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{proposer} (τ={r['tau']:.2f})")
         ax.set_title(f"{name} ({entry['prompts']} prompts)")
         ax.set_xlabel("draft position")
+        ax.set_xticks(range(1, max(len(r["acceptance_rates"]) for r in entry["results"].values()) + 1))
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

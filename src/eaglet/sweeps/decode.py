@@ -13,6 +13,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from eaglet.config.schema import EagletConfig
 from eaglet.data.templating import chat_template_variables, resolve_chat_template
 from eaglet.errors import DataError
@@ -74,7 +76,7 @@ def replayed_curve(
     if target.device.type == "cuda":  # first calls pay for lazy initialisation: keep them out of the timings
         greedy_decode(target, prompts[0], 2, stop_ids)
     traces, measured, near_ties = [], DecodeStats(), 0
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc=f"decode K=1..{k_max}", unit="prompt"):
         trace = trace_prompt(
             target, proposer, prompt, k_max=k_max, max_new_tokens=max_new_tokens, stop_ids=stop_ids
         )

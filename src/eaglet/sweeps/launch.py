@@ -9,8 +9,12 @@ reads as processes launched for it. Under SLURM, Lightning reads SLURM's variabl
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from eaglet.errors import ConfigError
+
+# Where a trial's folder links its process's stdout and stderr (submitit writes them under .submitit/).
+TRIAL_LOGS = ("trial.out", "trial.err")
 
 
 def adopt_submitit_local_tasks() -> bool:
@@ -39,3 +43,16 @@ def check_one_process_per_rank(world_size: int) -> None:
             f"this trial trains on {world_size} devices but the launcher started {started} process(es) for it; "
             f"set hydra.launcher.tasks_per_node={world_size} (the sweep files default it to hardware.devices)"
         )
+
+
+def link_trial_logs(run_dir: Path) -> None:
+    """Link this submitit task's stdout and stderr files into the trial's folder (TRIAL_LOGS)."""
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return
+    from submitit import JobEnvironment
+
+    paths = JobEnvironment().paths
+    for name, target in zip(TRIAL_LOGS, (paths.stdout, paths.stderr), strict=True):
+        link = run_dir / name
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path(target).resolve())

@@ -26,7 +26,7 @@ from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir
 from eaglet.shards import build_vocab_mapping, load_token_counts
 from eaglet.shards.layout import shard_dir
-from eaglet.sweeps.launch import adopt_submitit_local_tasks, check_one_process_per_rank
+from eaglet.sweeps.launch import adopt_submitit_local_tasks, check_one_process_per_rank, link_trial_logs
 from eaglet.sweeps.serving import Deployment, predicted_speedups, resolve_deployment
 from eaglet.sweeps.simulated import simulated_curve
 from eaglet.train.hardware import plan_trainer
@@ -136,6 +136,7 @@ def run_trial(cfg: EagletConfig, run_dir: Path) -> float | None:
     write = rank_zero_only.rank == 0
     if write:
         run_dir.mkdir(parents=True, exist_ok=True)
+        link_trial_logs(run_dir)
         atomic_write_json(run_dir / TRIAL_FILE, {**record, "status": "running"})
     try:
         check_config(cfg)
