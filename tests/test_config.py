@@ -222,7 +222,7 @@ def test_draft_shape_and_vocab_follow_the_model_and_override_alone(compose) -> N
         128,
     )
     assert (kimi.intermediate_size, kimi.rope_theta, kimi.vocab_size) == (18432, 50000.0, 32000)
-    assert compose().draft.vocab_size == 2048  # the embedded smollm2_135m
+    assert compose().draft.vocab_size == 1024  # the embedded smollm2_135m
     cfg = compose("model=kimi_k2_5", "draft.vocab_size=8192")
     assert cfg.draft.vocab_size == 8192 and cfg.draft.head_dim == 128
 

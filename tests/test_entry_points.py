@@ -64,6 +64,25 @@ def test_every_experiment_composes_and_its_shipped_data_is_there(compose) -> Non
     assert (ASSETS_DIR / "smollm2_135m_shared_all.jsonl.gz").is_file()
 
 
+def test_the_cpu_main_job_imports_shipped_answers_for_every_conversation(compose, tmp_path: Path) -> None:
+    """`make run` on a CPU regenerates nothing: the shipped answers cover all of dataset=default."""
+    from eaglet.config.eval_sets import eval_set_defs
+    from eaglet.data.dataset import load_dataset
+    from eaglet.data.regenerated import import_finished
+
+    cfg = compose()
+    shipped = Path(cfg.extract.regenerate.import_from)
+    assert cfg.extract.regenerate.enabled and shipped.is_file()
+    conversations, _ = load_dataset(
+        cfg.dataset,
+        require_assistant=False,
+        strict=False,
+        max_conversations=None,
+        held_out_sets=eval_set_defs(cfg.eval),
+    )
+    assert import_finished(shipped, tmp_path / "imported.jsonl", conversations) == len(conversations) == 60
+
+
 def test_extras_pin_what_make_setup_installs() -> None:
     """The extras and `make setup` (which installs them with --no-deps) name the same packages and pins."""
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
