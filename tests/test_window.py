@@ -318,3 +318,10 @@ def test_training_stops_after_the_timeout_naming_the_folder_and_the_extraction(
     # Rounds 1 and 2 were trained and checkpointed; round 3's last micro-batch waits with Lightning, which
     # takes the next one (of round 4, shard 4) before it trains it.
     assert read_retired(out) == [1]
+
+
+def test_sweeps_refuse_window_training(compose, tmp_path: Path) -> None:
+    from eaglet.sweeps.trial import check_sweep_settings
+
+    with pytest.raises(ConfigError, match="not with trainer.features=window"):
+        check_sweep_settings(compose(*train_overrides(tmp_path, tmp_path)))

@@ -207,7 +207,11 @@ def test_the_three_ways_to_train_on_the_embedded_target(compose, tmp_path: Path)
     ]
     run_extraction(compose(*data))
     planned = read_stream_plan(shards).shards
-    for mode, extra in (("shards", ["trainer.max_steps=1"]), ("online", ["trainer.max_steps=1"]), ("window", [])):
+    for mode, extra in (
+        ("shards", ["trainer.max_steps=1"]),
+        ("online", ["trainer.max_steps=1"]),
+        ("window", []),
+    ):
         summary = run_training(compose(*data, *train, f"trainer.features={mode}", *extra), tmp_path / mode)
         assert summary.steps >= 1 and 1.0 <= summary.tau_sim, mode
         assert (tmp_path / mode / "draft" / "model.safetensors").is_file(), mode
