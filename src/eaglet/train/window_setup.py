@@ -40,6 +40,12 @@ def open_window(cfg: EagletConfig, directory: Path) -> WindowPlan:
     """The folder extraction writes under extract.max_disk_gb, once it has started (waited for)."""
     folder = WindowFolder(directory, cfg.trainer.window_timeout_s)
     stream = folder.stream_plan()
+    asked = cfg.extract.max_disk_gb
+    if asked is not None and abs(asked * 1e9 - stream.max_disk_bytes) > 1e6:
+        print(
+            f"window: {directory} is bounded by the extract.max_disk_gb={stream.max_disk_bytes / 1e9:g} its "
+            f"extraction was given, not {asked:g}: extraction enforces its own"
+        )
     schedule = WindowSchedule(
         shards=stream.shards,
         window=window_size(cfg),
