@@ -63,10 +63,11 @@ lint: setup  ## ruff
 	$(BIN)/ruff check src tests *.py benchmarks recipes
 	$(BIN)/ruff format --check src tests *.py benchmarks recipes
 
-bench: setup  ## CPU benchmarks (extraction, training); rows are appended to experiments/BENCHMARKS.md
+bench: setup  ## CPU benchmarks (extraction, training, window training); rows are appended to experiments/BENCHMARKS.md
 	$(BIN)/python benchmarks/bench_extract.py bench.tokens=8192 bench.batch_tokens=4096 bench.repeats=1 bench.max_len=1024
 	$(BIN)/python benchmarks/bench_train.py shapes=smollm2_135m ttt=3,7 draft_vocab=2048 batch_tokens=2048 \
 		doc_tokens=512 docs=8 steps=6 warmup=2
+	$(BIN)/python benchmarks/bench_window.py
 
 bench-gpu:  ## GPU benchmarks at Llama-3.1-8B and Kimi-K2.5 shapes (random weights; needs a CUDA GPU)
 	python benchmarks/bench_extract.py model=llama3_1_8b model.source=random bench.batch_tokens=65536 \

@@ -355,8 +355,8 @@ def _fill_after_the_disk_check(leave: int) -> None:
 
     check = core._check_disk
 
-    def check_then_fill(out_dir: Path, sizes: Any) -> int:
-        needed = check(out_dir, sizes)
+    def check_then_fill(out_dir: Path, sizes: Any, *budget: Any) -> int:
+        needed = check(out_dir, sizes, *budget)
         with open(out_dir.parent / "ballast", "wb") as ballast:
             ballast.write(b"\0" * (shutil.disk_usage(out_dir).free - leave))
         return needed

@@ -3,6 +3,8 @@
 eaglet-extract                                      # embedded default: SmolLM2-135M-Instruct on CPU
 eaglet-extract model=llama3_1_8b model.path=/models/Llama-3.1-8B-Instruct dataset=sharegpt hardware=h200_x1
 eaglet-extract extract.features=tokens              # token streams and counts only, for trainer.features=online
+eaglet-extract extract.max_disk_gb=200              # the folder never above 200 GB: eaglet-train trainer.features=window
+                                                    # beside it deletes the shards it is done with
 """
 
 import hydra

@@ -4,6 +4,7 @@ eaglet-train                                        # embedded default on this C
 eaglet-train hardware=b200_nvl8 model=kimi_k2_5 trainer.ttt_steps=7 draft.vocab_size=32000
 eaglet-train ckpt_path=last                         # resume the newest run, in its own folder
 eaglet-train trainer.features=online                # the target runs in each step (extract.features=tokens first)
+eaglet-train trainer.features=window extract.max_disk_gb=200   # beside `eaglet-extract extract.max_disk_gb=200`
 eaglet-train sweeps=draft_length_vocab              # a sweep (conf/sweeps/*.yaml); each trial returns its objective
 """
 

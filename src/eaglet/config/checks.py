@@ -25,6 +25,7 @@ from eaglet.config.schema import (
     PlanConfig,
     TrainerConfig,
 )
+from eaglet.config.window import check_window
 from eaglet.errors import ConfigError
 
 # Lightning's seed_everything (and numpy) take seeds in [0, 2**32 - 1].
@@ -40,6 +41,7 @@ def check_config(cfg: EagletConfig) -> None:
     check_hardware(cfg.hardware, cfg.trainer)
     check_dataset(cfg.dataset)
     check_extract(cfg.extract)
+    check_window(cfg)
     check_eval(cfg.eval)
     check_plan(cfg.plan)
 

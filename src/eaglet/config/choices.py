@@ -65,10 +65,12 @@ class ExtractFeatures(StrEnum):
 
 
 class TrainFeatures(StrEnum):
-    """Where training's target features come from: shards on disk, or the target run inside each step."""
+    """Where training's target features come from: shards on disk, the target run inside each step, or shards
+    read while extraction writes them under a disk bound (extract.max_disk_gb), each deleted once trained on."""
 
     shards = "shards"
     online = "online"
+    window = "window"
 
 
 class Attention(StrEnum):

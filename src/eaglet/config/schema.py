@@ -279,6 +279,14 @@ class ExtractConfig:
     # hidden_states: shards of the target's features (trainer.features=shards); tokens: token streams and token
     # counts only, 5 bytes a token, into ${paths.data_dir}/tokens/<model>/<dataset> (trainer.features=online).
     features: ExtractFeatures = ExtractFeatures.hidden_states
+    # Bounded disk (trainer.features=window): the shard folder never holds more than this many GB (1e9 bytes):
+    # shards, those being written, the target head, token counts and manifests. Before each shard, extraction
+    # waits until training (`python train.py trainer.features=window`, run beside it) has deleted enough shards it
+    # finished with. null = no bound: the whole folder is written (checked against the free disk first).
+    max_disk_gb: float | None = None
+    # With max_disk_gb: seconds extraction waits for training to free room before it stops (the same command
+    # then resumes it).
+    window_timeout_s: float = 3600.0
     device: str = "auto"
     overwrite: bool = False
     strict: bool = False
@@ -324,8 +332,18 @@ class TrainerConfig:
     # dtype of the frozen embedding table ("bfloat16" halves it); null = the parameters' dtype (FSDP needs that).
     embed_dtype: FloatDtype | None = None
     # shards: read the target's features from extracted shards; online: run the frozen target (a replica per
-    # device) inside each step on the token streams of `python extract.py extract.features=tokens`.
+    # device) inside each step on the token streams of `python extract.py extract.features=tokens`; window: train
+    # on shards while `python extract.py extract.max_disk_gb=...` writes them, deleting each once trained on.
     features: TrainFeatures = TrainFeatures.shards
+    # trainer.features=window. Epochs do not pass over the whole data: the shards come in production order and each
+    # stays in a rolling window of window_shards shards for that many rounds; a round trains on the window's
+    # shards, and every sequence is read in max_epochs of the rounds its shard spends in the window (all of them
+    # when window_shards = max_epochs). A shard is deleted once its rounds are done and a checkpoint covers them.
+    # Shard 0 is the validation set (kept to the end) unless val_fraction is 0. null = max_epochs; more shards
+    # mix more of the data into each round, at the cost of disk (README: "Bounded disk").
+    window_shards: int | None = None
+    # trainer.features=window: seconds to wait for extraction's next shard before stopping with what to do.
+    window_timeout_s: float = 3600.0
 
 
 @dataclass

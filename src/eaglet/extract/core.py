@@ -5,6 +5,10 @@ Crash safety: shards are written atomically and recorded in the manifest one by 
 same command recomputes the same deterministic plan, checks every recorded shard against the sha256 the
 manifest holds, rewrites the missing or damaged ones and continues after the last recorded shard. A full
 disk ends in one message (ShardFolder.writing); what was written before it stays complete.
+
+Under extract.max_disk_gb (trainer.features=window) the folder also gets window.json (the bound and the
+stream's plan) and its token counts when it starts, since training reads them while shards are still coming;
+shards training retired (retired.json) are neither checked nor written again.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from eaglet.data.templating import (
     tokenize_conversation,
 )
 from eaglet.errors import ConfigError, DataError
+from eaglet.extract.budget import DiskBudget
 from eaglet.extract.job import ExtractionJob
 from eaglet.extract.plan import plan_shards
 from eaglet.fsutil import (
@@ -63,10 +68,18 @@ from eaglet.shards import (
     ShardInfo,
     bytes_per_token,
     count_tokens,
+    load_token_counts,
     read_manifest,
     save_token_counts,
     shard_name,
     write_manifest,
+)
+from eaglet.shards.window import (
+    StreamPlan,
+    estimated_shard_bytes,
+    read_retired,
+    read_stream_plan,
+    write_stream_plan,
 )
 
 
@@ -103,6 +116,11 @@ class ShardFolder:
     path: Path
     manifest: Manifest
     needed: int
+
+    def budget(self, job: ExtractionJob) -> DiskBudget | None:
+        """extract.max_disk_gb's bound on this folder, for the shard writers; None: unbounded."""
+        limit = max_disk_bytes(job)
+        return None if limit is None else DiskBudget(self.path, limit, job.extract.window_timeout_s)
 
     @contextmanager
     def writing(self) -> Iterator[None]:
@@ -241,8 +259,9 @@ def start_folder(
     manifest = _prepare_output(out_dir, fingerprint, overwrite=ext.overwrite)
     head_path = out_dir / TARGET_HEAD_FILE
     head = None if head_path.exists() else {name: t.contiguous() for name, t in read_head().items()}
-    sizes = _folder_sizes(job, samples, aux_ids, head)
-    folder = ShardFolder(out_dir, manifest, _check_disk(out_dir, sizes))
+    sizes, shard_bytes = _folder_sizes(job, samples, aux_ids, head)
+    budget = max_disk_bytes(job)
+    folder = ShardFolder(out_dir, manifest, _check_disk(out_dir, sizes, budget))
     with folder.writing():
         if manifest is None:
             folder.manifest = Manifest(
@@ -262,7 +281,48 @@ def start_folder(
         if head is not None:
             with atomic_output(head_path) as tmp:
                 save_file(head, tmp, metadata={"format": "pt"})
+        if budget is not None:
+            _start_window(job, samples, shard_bytes, sizes, budget)
     return folder
+
+
+def max_disk_bytes(job: ExtractionJob) -> int | None:
+    """extract.max_disk_gb in bytes; None: no bound."""
+    gb = job.extract.max_disk_gb
+    return None if gb is None else int(gb * 1e9)
+
+
+def _start_window(
+    job: ExtractionJob,
+    samples: list[TokenizedConversation],
+    shard_bytes: list[int],
+    sizes: Mapping[str, int],
+    budget: int,
+) -> None:
+    """window.json and the token counts, before any shard: training reads both while the shards come."""
+    out_dir = job.out_dir
+    fixed = sum(size for name, size in sizes.items() if name != "shards") + 2 * _BLOCK  # + the two records
+    # Two shards: one training reads while the next is written; the trainer checks its own window's needs.
+    need = fixed + 2 * max(shard_bytes)
+    if budget < need:
+        raise ConfigError(
+            f"extract.max_disk_gb={job.extract.max_disk_gb} cannot hold the folder's fixed part "
+            f"({human_bytes(fixed)}: target head, token counts, manifests) and two shards of up to "
+            f"{human_bytes(max(shard_bytes))}: raise it to at least {need / 1e9:.3g}, or lower extract.shard_tokens"
+        )
+    counts = count_tokens(
+        np.concatenate([s.input_ids for s in samples]),
+        np.concatenate([s.loss_mask for s in samples]),
+        job.model.vocab_size,
+    )
+    save_token_counts(out_dir, counts)
+    plan = plan_shards([s.num_tokens for s in samples], job.extract.shard_tokens)
+    tokens = [sum(samples[i].num_tokens for i in r) for r in plan]
+    write_stream_plan(out_dir, StreamPlan(budget, shard_bytes, tokens, [len(r) for r in plan], fixed))
+    print(
+        f"window: at most {human_bytes(budget)} in {out_dir} ({len(plan)} shards of up to "
+        f"{human_bytes(max(shard_bytes))}); train beside it with python train.py trainer.features=window"
+    )
 
 
 def check_resumable(
@@ -287,10 +347,15 @@ def check_resumable(
             )
     # Every recorded shard is hashed, on every rerun: a flipped byte keeps the size, and only its hash tells.
     # Hashing reads at disk speed (sha256 runs at over 1 GB/s a core), far faster than the target produced
-    # those bytes, so it costs a small fraction of the extraction it guards.
+    # those bytes, so it costs a small fraction of the extraction it guards. Shards window training retired
+    # (deleted once trained on) are done with.
+    retired = set(read_retired(out_dir))
+    kept = [index for index in range(len(manifest.shards)) if index not in retired]
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        intact = list(pool.map(lambda info: _intact(out_dir / info.file, info), manifest.shards))
-    damaged = [index for index, ok in enumerate(intact) if not ok]
+        intact = list(
+            pool.map(lambda i: _intact(out_dir / manifest.shards[i].file, manifest.shards[i]), kept)
+        )
+    damaged = [index for index, ok in zip(kept, intact, strict=True) if not ok]
     for index in damaged:
         print(
             f"{out_dir / shard_name(index)} is missing or damaged (not the recorded sha256): writing it again"
@@ -310,19 +375,26 @@ def finish(
     regenerated: RegenerateStats | None,
     extra_totals: Mapping[str, int] | None = None,
 ) -> ExtractSummary:
-    """Token counts and totals of the `written` samples recorded, the manifest marked complete."""
+    """Token counts and totals of the `written` samples recorded, the manifest marked complete.
+
+    A folder extracted under extract.max_disk_gb keeps the token counts it started with (training built its
+    draft vocabulary from them), and its totals come from the manifest: shards retired are gone from the disk.
+    """
     out_dir = job.out_dir
-    counts = count_tokens(
-        np.concatenate([s.input_ids for s in written]),
-        np.concatenate([s.loss_mask for s in written]),
-        job.model.vocab_size,
-    )
-    save_token_counts(out_dir, counts)
+    if read_stream_plan(out_dir) is not None:
+        counts = load_token_counts(out_dir)
+    else:
+        counts = count_tokens(
+            np.concatenate([s.input_ids for s in written]),
+            np.concatenate([s.loss_mask for s in written]),
+            job.model.vocab_size,
+        )
+        save_token_counts(out_dir, counts)
     manifest.token_counts_file = TOKEN_COUNTS_FILE
     totals = {
-        "sequences": len(written),
-        "tokens": int(sum(s.num_tokens for s in written)),
-        "masked_tokens": int(sum(s.num_masked for s in written)),
+        "sequences": sum(info.num_sequences for info in manifest.shards),
+        "tokens": sum(info.num_tokens for info in manifest.shards),
+        "masked_tokens": sum(info.num_masked for info in manifest.shards),
         "truncated": int(sum(s.truncated for s in written)),
         "skipped": skipped,
         **(extra_totals or {}),
@@ -546,43 +618,50 @@ def _folder_sizes(
     samples: list[TokenizedConversation],
     aux_ids: list[int],
     head: Mapping[str, torch.Tensor] | None,
-) -> dict[str, int]:
-    """Bytes each part of the complete folder takes on disk; `head` is None when the folder holds it."""
+) -> tuple[dict[str, int], list[int]]:
+    """Bytes each part of the complete folder takes on disk, and an upper bound of each shard's file; `head`
+    is None when the folder holds it."""
     ext, model, out_dir = job.extract, job.model, job.out_dir
     itemsize = torch.empty((), dtype=STORED_DTYPES[ext.dtype]).element_size()
     per_token = bytes_per_token(len(aux_ids), model.hidden_size, itemsize)
     plan = plan_shards([s.num_tokens for s in samples], ext.shard_tokens)
-    shards = [sum(samples[i].num_tokens for i in r) * per_token + _HEADER for r in plan]
+    shards = [estimated_shard_bytes(sum(samples[i].num_tokens for i in r), len(r), per_token) for r in plan]
     if head is None:
         head_bytes = (out_dir / TARGET_HEAD_FILE).stat().st_size
     else:
         head_bytes = sum(t.numel() * t.element_size() for t in head.values()) + _HEADER
-    return {
+    sizes = {
         "shards": sum(_blocks(size) for size in shards),
         "target head": _blocks(head_bytes),
         "token counts": _blocks(8 * model.vocab_size + _HEADER),
         # Replaced atomically after every shard: the old and the new copy side by side for a moment.
         "manifest": 2 * _blocks(_MANIFEST_BASE + _MANIFEST_PER_SHARD * len(plan)),
     }
+    return sizes, shards
 
 
-def _check_disk(out_dir: Path, sizes: Mapping[str, int]) -> int:
-    """The bytes still to write (the whole folder less the shards and head already there); refuses to start
-    when the disk has less free."""
+def _check_disk(out_dir: Path, sizes: Mapping[str, int], budget: int | None = None) -> int:
+    """The bytes still to write (the whole folder less the shards and head already there, at most the `budget`
+    of extract.max_disk_gb); refuses to start when the disk has less free."""
     present = sum(
         _blocks(entry.stat().st_size)
         for entry in os.scandir(out_dir)
         if entry.is_file() and (entry.name.startswith("shard-") or entry.name == TARGET_HEAD_FILE)
     )
-    needed = max(0, sum(sizes.values()) - present)
+    whole = sum(sizes.values())
+    needed = max(0, (whole if budget is None else min(whole, budget)) - present)
     free = free_bytes(out_dir)
     parts = ", ".join(f"{name} {human_bytes(size)}" for name, size in sizes.items())
-    print(f"disk: {human_bytes(needed)} still to write ({parts}); {human_bytes(free)} free at {out_dir}")
+    bound = "" if budget is None else f", at most extract.max_disk_gb={budget / 1e9:g} at a time"
+    print(
+        f"disk: {human_bytes(needed)} still to write ({parts}{bound}); {human_bytes(free)} free at {out_dir}"
+    )
     if needed > free:
         raise ConfigError(
             f"not enough disk at {out_dir}: this extraction needs about {human_bytes(needed)} more there "
-            f"({parts} in all), {human_bytes(free)} free; free space, point extract.output_dir at a larger disk, "
-            "or extract less (dataset.max_records_per_file, extract.max_conversations)"
+            f"({parts} in all{bound}), {human_bytes(free)} free; free space, point extract.output_dir at a larger "
+            "disk, extract less (dataset.max_records_per_file, extract.max_conversations), or bound the folder "
+            "and train beside the extraction (extract.max_disk_gb=..., trainer.features=window)"
         )
     return needed
 

@@ -24,7 +24,7 @@ def print_summary(summary: ExtractSummary, console: Console | None = None) -> No
         ("truncated / skipped (no assistant token)", f"{summary.truncated:,} / {summary.skipped:,}"),
         ("shards (resumed)", f"{summary.shards} ({summary.resumed_shards})"),
         (
-            "bytes on disk",
+            "shard bytes written",
             f"{human_bytes(summary.bytes_on_disk)} ({summary.bytes_on_disk / max(summary.tokens, 1):,.0f} B/token)",
         ),
         ("extraction", f"{summary.seconds:.1f} s, {summary.tokens_per_second:,.0f} tokens/s"),

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from eaglet.data.templating import TokenizedConversation
 from eaglet.extract import core
+from eaglet.extract.budget import DiskBudget
 from eaglet.extract.job import ExtractionJob
 from eaglet.extract.plan import plan_shards, shard_batches
 from eaglet.extract.writer import ShardWriterPool
@@ -84,6 +85,7 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
             shard_tokens=ext.shard_tokens,
             batch_tokens=ext.batch_tokens,
             dtype=STORED_DTYPES[ext.dtype],
+            budget=folder.budget(job),
         )
         return core.finish(
             job,
@@ -107,8 +109,10 @@ def write_shards(
     shard_tokens: int,
     batch_tokens: int,
     dtype: torch.dtype,
+    budget: DiskBudget | None = None,
 ) -> tuple[int, int]:
-    """Write every planned shard the manifest does not record intact; returns (tokens processed, shards kept)."""
+    """Write every planned shard the manifest does not record intact, within `budget` (extract.max_disk_gb);
+    returns (tokens processed, shards kept)."""
     lengths = [s.num_tokens for s in samples]
     plan = plan_shards(lengths, shard_tokens)
     todo = core.check_resumable(plan, manifest, out_dir)
@@ -121,7 +125,7 @@ def write_shards(
     batches = [batch for _, batch in work]
     with (
         tqdm(total=total, desc="extract", unit="tok", unit_scale=True) as bar,
-        ShardWriterPool(out_dir, manifest, dtype) as writer,
+        ShardWriterPool(out_dir, manifest, dtype, budget=budget) as writer,
     ):
         for (index, batch), found in zip(
             work, batch_features(target, samples, batches, aux_ids, dtype), strict=True

@@ -1,4 +1,5 @@
-"""One plan per hardware: disk, regeneration, extraction, training and serving for the composed run."""
+"""One plan per hardware: disk, regeneration, extraction, training and serving for the composed run, and which way
+to train (shards, online, window) fits it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from eaglet.plan.extraction import (
     estimate_regeneration,
     place_target,
 )
+from eaglet.plan.modes import ModeChoice, ModeEstimate, choose_mode, estimate_modes
 from eaglet.plan.serving import ServingPoint, serving_group, serving_point
 from eaglet.plan.training import HeadShape, TrainingEstimate, calibrated_efficiency, estimate_training
 
@@ -30,6 +32,7 @@ class PlannedRun:
     plan: PlanConfig
     shard_dtype: str  # extract.dtype
     regenerate: bool  # extract.regenerate.enabled
+    shard_tokens: int = 65536  # extract.shard_tokens
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class HardwarePlan:
     training: TrainingEstimate
     serving: list[ServingPoint]  # empty: the target does not fit one serving group
     problems: list[str]
+    modes: list[ModeEstimate]  # shards, online, window
+    choice: ModeChoice
 
     @property
     def devices(self) -> int:
@@ -54,6 +59,10 @@ class HardwarePlan:
 
     @property
     def seconds(self) -> float:
+        """The whole run in the way to train chosen for this machine (from shards when none fits)."""
+        chosen = [m for m in self.modes if m.mode == self.choice.mode]
+        if chosen:
+            return chosen[0].seconds
         regeneration = self.regeneration.seconds if self.regeneration else 0.0
         return regeneration + self.extraction_seconds + self.training.seconds
 
@@ -81,11 +90,6 @@ def plan_hardware(
             regeneration = estimate_regeneration(model, hardware, placement, data, plan)
     disk = [estimate_disk(model, hardware, dtype, data.tokens, data.conversations) for dtype in plan.dtypes]
     stored = estimate_disk(model, hardware, run.shard_dtype, data.tokens, data.conversations)
-    if stored.fits is False:
-        problems.append(
-            f"{stored.dtype} shards (extract.dtype) need {stored.total_bytes / 1e12:,.1f} TB; "
-            f"the disk holds {hardware.disk_tb:g} TB"
-        )
     training = estimate_training(
         HeadShape.of(model, run.draft, run.trainer),
         hardware,
@@ -104,14 +108,33 @@ def plan_hardware(
             serving_point(model, hardware, run.draft, run.draft.vocab_size, curve.tau(k), k, plan)
             for k in range(1, plan.serving.max_draft_length + 1)
         ]
+    extraction_seconds = data.tokens / extraction.tokens_per_second if extraction else 0.0
+    modes = estimate_modes(
+        model,
+        hardware,
+        run.trainer,
+        plan,
+        data,
+        placement=placement,
+        stored=stored,
+        shard_tokens=run.shard_tokens,
+        regeneration_seconds=regeneration.seconds if regeneration else 0.0,
+        extraction_seconds=extraction_seconds,
+        training=training,
+    )
+    choice = choose_mode(modes)
+    if choice.mode is None and placement.group is not None:
+        problems.append(f"no way to train fits: {choice.reason}")
     return HardwarePlan(
         hardware=hardware,
         placement=placement,
         disk=disk,
         regeneration=regeneration,
         extraction=extraction,
-        extraction_seconds=data.tokens / extraction.tokens_per_second if extraction else 0.0,
+        extraction_seconds=extraction_seconds,
         training=training,
         serving=serving,
         problems=problems,
+        modes=modes,
+        choice=choice,
     )

@@ -8,10 +8,12 @@ from rich.table import Table
 
 from eaglet.plan.acceptance import AcceptanceCurve
 from eaglet.plan.data_size import DataSize
+from eaglet.plan.modes import gb
 from eaglet.plan.planner import HardwarePlan, PlannedRun
 from eaglet.plan.serving import pcie_allreduce_fixed_seconds
 from eaglet.plan.target_cost import dense_bits, stored_weight_bytes
 from eaglet.plan.training import calibrated_efficiency
+from eaglet.target_model.footprint import TARGET_MEMORY_SHARE
 
 
 def _hours(seconds: float) -> str:
@@ -42,7 +44,8 @@ def verdict(plans: list[HardwarePlan], deadline_hours: float) -> str:
     within = sorted((p for p in feasible if p.seconds <= deadline_hours * 3600), key=lambda p: p.gpu_hours)
 
     def describe(p: HardwarePlan) -> str:
-        return f"{p.hardware.name} ({_hours(p.seconds)}, {_gpu_hours(p)})"
+        mode = f", trainer.features={p.choice.mode}" if p.choice.mode else ""
+        return f"{p.hardware.name} ({_hours(p.seconds)}, {_gpu_hours(p)}{mode})"
 
     others = [p for p in feasible if p not in within]
     blocked = [f"{p.hardware.name} cannot ({p.problems[0]})" for p in plans if not p.feasible]
@@ -148,7 +151,7 @@ def time_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
         return f"{_hours(t.seconds_per_epoch)} ({_rate(t.tokens_per_second)}){comm}"
 
     def total(p: HardwarePlan) -> str:
-        text = f"{_hours(p.seconds)}, {_gpu_hours(p)}"
+        text = f"{_hours(p.seconds)}, {_gpu_hours(p)}" + (f" ({p.choice.mode})" if p.choice.mode else "")
         return text if p.feasible else f"[red]{text}; blocked[/red]"
 
     row("devices", link)
@@ -167,6 +170,41 @@ def time_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
             )
 
         row(f"disk, {dtype} shards", disk)
+    return table
+
+
+MODE_LABELS = {
+    "shards": "shards (extract, then train)",
+    "online": "online (the target in each step)",
+    "window": "window (extract.max_disk_gb, side by side)",
+}
+
+
+def modes_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
+    """Disk and time of each way to train (eaglet.plan.modes), and the one to use on each machine."""
+    table = Table(
+        title=f"ways to train: the most disk the data takes at once, and the time ({run.trainer.max_epochs} epoch(s))"
+    )
+    table.add_column("trainer.features", no_wrap=True)
+    for p in plans:
+        table.add_column(p.hardware.name, overflow="fold")
+    for mode, label in MODE_LABELS.items():
+
+        def cell(p: HardwarePlan, mode: str = mode) -> str:
+            m = next(m for m in p.modes if m.mode == mode)
+            bound = f" (extract.max_disk_gb={gb(m.max_disk_gb)})" if m.max_disk_gb is not None else ""
+            text = f"{_tb(m.disk_bytes)}{bound}, {_hours(m.seconds)}"
+            return text if m.feasible else f"[red]{m.problem}[/red]"
+
+        table.add_row(label, *(cell(p) for p in plans))
+    table.add_section()
+    table.add_row(
+        "use",
+        *(
+            f"[bold]{p.choice.mode}[/bold]: {p.choice.reason}" if p.choice.mode else "[red]none[/red]"
+            for p in plans
+        ),
+    )
     return table
 
 
@@ -240,6 +278,13 @@ def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
         ),
         ("weights in memory", f"at most {plan.weight_memory_fraction:.0%} of device memory"),
         (
+            "ways to train",
+            "shards: the whole folder on disk, the target's forward once; online: 5 B a token on disk, the target "
+            f"(bf16, at most {TARGET_MEMORY_SHARE:.0%} of one device) forward every epoch on each device; window: "
+            "the head, token counts and window + validation + 1 shards at least, extraction and training taking "
+            "turns on the same devices (time as shards)",
+        ),
+        (
             "regeneration",
             f"{plan.regenerate_batch_size} sequences per replica (fewer if the KV cache does not fit); the loop at "
             f"{cal.regeneration_loop_efficiency:.1%} of its decode steps' rate (the H200 data stage, a 135M target)",
@@ -266,6 +311,7 @@ def print_plan(
     console = console or Console(width=160)
     console.print(data_table(run, data))
     console.print(time_table(run, plans))
+    console.print(modes_table(run, plans))
     console.print(serving_table(plans, curve, run))
     console.print(assumptions_table(run, plans))
     line = verdict(plans, run.plan.deadline_hours)

@@ -50,6 +50,7 @@ def run_plan(cfg: EagletConfig) -> tuple[list[HardwarePlan], str]:
         plan=cfg.plan,
         shard_dtype=str(cfg.extract.dtype),
         regenerate=cfg.extract.regenerate.enabled,
+        shard_tokens=cfg.extract.shard_tokens,
     )
     plans = [plan_hardware(run, hw, data, curve) for hw in hardware]
     return plans, print_plan(run, data, curve, plans)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,9 @@ def _load_layout(directory: Path, manifest: Manifest, info: ShardInfo, verify: b
 
 
 class ShardReader:
-    """Random access to the sequences of a complete extraction, in global order.
+    """Random access to the sequences of a complete extraction, in global order; or, given `shards`, to those of
+    the listed shards (in that order) of a folder still being written (`manifest`: a snapshot of its manifest
+    recording them; read from the folder when not given).
 
     Shards are memory-mapped lazily, on the first read of one of their sequences, so DataLoader workers
     forked after construction map the files themselves. `sequence(i)` returns views into the map:
@@ -130,16 +133,32 @@ class ShardReader:
     last_hidden_state [T, H] in the stored dtype.
     """
 
-    def __init__(self, directory: str | Path, *, verify: bool = False) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        verify: bool = False,
+        shards: Sequence[int] | None = None,
+        manifest: Manifest | None = None,
+    ) -> None:
         self.directory = Path(directory)
-        self.manifest = read_manifest(self.directory)
-        if not self.manifest.complete:
+        self.manifest = manifest or read_manifest(self.directory)
+        if shards is None and not self.manifest.complete:
             raise DataError(
                 f"{self.directory}: extraction is incomplete (status {self.manifest.status!r}, "
                 f"{len(self.manifest.shards)} shards written so far); re-run the same `python extract.py ...` "
                 "command to finish it"
             )
-        self._layouts = [_load_layout(self.directory, self.manifest, s, verify) for s in self.manifest.shards]
+        recorded = self.manifest.shards
+        unrecorded = [index for index in shards or () if not 0 <= index < len(recorded)]
+        if unrecorded:
+            raise DataError(
+                f"{self.directory}: shards {unrecorded} are not recorded in its manifest (it records "
+                f"{len(recorded)}); extraction has not written them yet"
+            )
+        # The shards read, in order.
+        self.shards = list(recorded) if shards is None else [recorded[index] for index in shards]
+        self._layouts = [_load_layout(self.directory, self.manifest, s, verify) for s in self.shards]
         counts = [len(layout.sample_ids) for layout in self._layouts]
         self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self.num_sequences = int(self._shard_starts[-1])
@@ -157,6 +176,11 @@ class ShardReader:
     def __getstate__(self) -> dict[str, Any]:
         # Maps are process-local: a pickled reader (spawned DataLoader worker) reopens them on first use.
         return {**self.__dict__, "_maps": [None] * len(self._layouts)}
+
+    def release(self) -> None:
+        """Drop this process's memory maps (a later read maps the file again): a deleted shard's disk is freed
+        only once no map holds it."""
+        self._maps = [None] * len(self._layouts)
 
     def _open(self, shard: int) -> dict[str, torch.Tensor]:
         layout = self._layouts[shard]

@@ -125,7 +125,8 @@ class TokenReader:
                 f"{len(self.manifest.shards)} shards written so far); re-run the same `python extract.py ...` "
                 "command to finish it"
             )
-        self._layouts = [_token_layout(self.directory, info) for info in self.manifest.shards]
+        self.shards = list(self.manifest.shards)  # the shards read, in order (as ShardReader's)
+        self._layouts = [_token_layout(self.directory, info) for info in self.shards]
         offsets = [_read_small(path, start, t["seq_offsets"]) for path, start, t in self._layouts]
         ids = [_read_small(path, start, t["sample_ids"]) for path, start, t in self._layouts]
         for (path, _, _), info, o in zip(self._layouts, self.manifest.shards, offsets, strict=True):

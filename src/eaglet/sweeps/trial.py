@@ -43,11 +43,13 @@ def check_sweep_settings(cfg: EagletConfig) -> None:
     sw = cfg.sweep
     if sw.max_draft_length < 1:
         raise ConfigError(f"sweep.max_draft_length must be >= 1, got {sw.max_draft_length}")
-    if cfg.trainer.features == "online":
-        # Each trial measures its head's τ_sim at every draft length on the validation shards' features.
+    if cfg.trainer.features != "shards":
+        # Each trial measures its head's τ_sim at every draft length on the validation shards' features, and
+        # trains on the whole data (window training deletes each shard once trained on: one trial's worth).
         raise ConfigError(
-            "sweeps read the target's features from shards (each trial's τ_sim curve): extract hidden states "
-            "and sweep with trainer.features=shards"
+            f"sweeps read the target's features from shards (each trial's τ_sim curve, every trial on the same "
+            f"data), not with trainer.features={cfg.trainer.features}: extract hidden states and sweep with "
+            "trainer.features=shards"
         )
 
 

@@ -75,7 +75,7 @@ class PackedShardDataset(Dataset):
         self.check_finite = check_finite
         self.pin_memory = pin_memory
         self._pid = os.getpid()
-        shard_sizes = [shard.num_sequences for shard in reader.manifest.shards]
+        shard_sizes = [shard.num_sequences for shard in reader.shards]
         self._shard_ends = np.cumsum(shard_sizes, dtype=np.int64)
         self._finite = np.zeros(len(reader), dtype=bool)  # sequences found finite in this process
 
@@ -107,7 +107,7 @@ class PackedShardDataset(Dataset):
                 continue
             bad_rows = torch.nonzero(~torch.isfinite(batch[name]).all(dim=1))
             i = int(indices[int(batch["document_ids"][bad_rows[0, 0]])])
-            shard = self.reader.manifest.shards[int(np.searchsorted(self._shard_ends, i, side="right"))]
+            shard = self.reader.shards[int(np.searchsorted(self._shard_ends, i, side="right"))]
             raise DataError(
                 f"{self.reader.directory / shard.file}: sample_id {int(self.reader.sample_ids[i])} has NaN or "
                 f"inf in {name} (stored as {self.reader.manifest.dtype}, read as {batch[name].dtype}); "

@@ -31,14 +31,12 @@ from eaglet.target_model import (
     resolve_dtype,
 )
 from eaglet.target_model.capture import resolve_aux_layer_ids
+from eaglet.target_model.footprint import TARGET_MEMORY_SHARE, target_weight_bytes
 from eaglet.target_model.packed_attention import packed_forward_kwargs, use_packed_attention, varlen_applies
 from eaglet.train.datamodule import PackedShardDataset, ShardDataModule
 from eaglet.train.hardware import TrainerPlan
 from eaglet.train.packing import collate_tokens
 
-# The target's weights may take at most this share of one device's memory: the rest holds its activations over
-# a micro-batch, the head, its optimizer state and the TTT activations.
-TARGET_MEMORY_SHARE = 0.6
 _EXTRACT_TOKENS = (
     "python extract.py extract.features=tokens (with the same model, dataset and extract settings)"
 )
@@ -132,17 +130,6 @@ def online_device(plan: TrainerPlan) -> torch.device:
         return torch.device("cpu")
     local_rank = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     return torch.device("cuda", int(local_rank))
-
-
-def target_weight_bytes(model: ModelConfig, itemsize: int) -> int:
-    """The target's weights at `itemsize` bytes a parameter: model.total_params_b when set, else counted from
-    the dims of a dense decoder (embeddings, attention, gated MLP, lm_head unless tied)."""
-    if model.total_params_b > 0:
-        return int(model.total_params_b * 1e9 * itemsize)
-    h, heads, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    layer = h * d * (2 * heads + 2 * kv) + 3 * h * model.intermediate_size + 2 * h
-    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
-    return (model.num_layers * layer + embeddings + h) * itemsize
 
 
 def check_target_fits(

@@ -1,5 +1,5 @@
-"""The training stage: shards (or token streams and the target, online) in, a trained head (checkpoints +
-serving export + report) out."""
+"""The training stage: shards (or token streams and the target, online; or shards while extraction writes
+them, window) in, a trained head (checkpoints + serving export + report) out."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from eaglet.run_dir import RunDir, resolve_ckpt_path
 from eaglet.shards import Manifest, build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE, shard_dir
 from eaglet.shards.tokens import is_token_store
+from eaglet.shards.window import read_retired, read_stream_plan
 from eaglet.target_model.capture import resolve_aux_layer_ids
 from eaglet.train.checkpoints import CheckpointFiles, StepCheckpoint, check_checkpoint, read_checkpoint
 from eaglet.train.datamodule import ShardDataModule
@@ -32,6 +33,9 @@ from eaglet.train.module import DraftHeadModule
 from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
 from eaglet.train.strategy import build_strategy
 from eaglet.train.tracking import finish_wandb, make_loggers
+from eaglet.train.window import WindowDataModule
+from eaglet.train.window_checkpoint import WindowCheckpoint
+from eaglet.train.window_setup import WindowPlan, open_window
 
 
 @dataclass
@@ -74,6 +78,26 @@ def check_manifest(model: ModelConfig, manifest: Manifest, directory: Path) -> N
                 "manifest; extract for this model (python extract.py model=...) or point "
                 "extract.output_dir at the matching shards"
             )
+
+
+def check_whole(manifest: Manifest, directory: Path) -> None:
+    """Training from shards or online reads a complete folder whose shards are all there."""
+    if not manifest.complete:
+        beside = (
+            "; or train beside it with trainer.features=window (it was started with extract.max_disk_gb)"
+            if read_stream_plan(directory) is not None
+            else ""
+        )
+        raise DataError(
+            f"{directory}: extraction is not complete; re-run `python extract.py` (it resumes){beside}"
+        )
+    retired = read_retired(directory)
+    if retired:
+        raise DataError(
+            f"{directory}: window training deleted shards {retired[:5]}{' ...' if len(retired) > 5 else ''} once "
+            "it had trained on them (trainer.features=window): resume that run with trainer.features=window "
+            "ckpt_path=last, or extract again into a new folder (extract.output_dir=..., or extract.overwrite=true)"
+        )
 
 
 def optimizer_steps(tr: TrainerConfig, datamodule: ShardDataModule, plan: TrainerPlan) -> int:
@@ -158,13 +182,17 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     check_machine(cfg.hardware)
     tr = cfg.trainer
     online = tr.features == TrainFeatures.online
+    window: WindowPlan | None = None
     if online:
         shards = token_store_dir(cfg)
     else:
         shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
-    manifest = read_manifest(shards)
-    if not manifest.complete:
-        raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")
+    if tr.features == TrainFeatures.window:
+        window = open_window(cfg, shards)  # waits for the extraction beside it to start
+        manifest = window.manifest
+    else:
+        manifest = read_manifest(shards)
+        check_whole(manifest, shards)
     if online:
         check_token_store(cfg.model, manifest, shards)
     else:
@@ -177,18 +205,38 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     run, ckpt_path = run_folder(cfg, run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = (TokenDataModule if online else ShardDataModule)(
-        shards,
-        tokens_per_batch=plan.tokens_per_device,
-        val_fraction=tr.val_fraction,
-        seed=cfg.seed,
-        num_workers=tr.num_workers,
-        check_finite=True,
-        loader_threads=tr.loader_threads,
-    )
-    datamodule.setup()
-    micro_batches = datamodule.train_batches_per_rank(plan.world_size)
-    total_steps = optimizer_steps(tr, datamodule, plan)
+    if window is not None:
+        datamodule = WindowDataModule(
+            window.folder,
+            window.schedule,
+            plan.tokens_per_device,
+            cfg.seed,
+            loader_threads=tr.loader_threads,
+            check_finite=True,
+        )
+        datamodule.setup()  # waits for the validation shard
+        total_steps = window.optimizer_steps(plan)
+        # One epoch of unknown length (the stream of rounds): validation every val_every_n_steps steps.
+        val_interval = tr.val_every_n_steps * plan.accumulate_grad_batches
+        periodic = WindowCheckpoint(
+            run.checkpoints_dir, tr.checkpoint_every_n_steps, datamodule, str(run.path)
+        )
+    else:
+        datamodule = (TokenDataModule if online else ShardDataModule)(
+            shards,
+            tokens_per_batch=plan.tokens_per_device,
+            val_fraction=tr.val_fraction,
+            seed=cfg.seed,
+            num_workers=tr.num_workers,
+            check_finite=True,
+            loader_threads=tr.loader_threads,
+        )
+        datamodule.setup()
+        micro_batches = datamodule.train_batches_per_rank(plan.world_size)
+        total_steps = optimizer_steps(tr, datamodule, plan)
+        val_interval = min(micro_batches, tr.val_every_n_steps * plan.accumulate_grad_batches)
+        # Refreshes last.ckpt between validations, so a killed run resumes close to where it stopped.
+        periodic = StepCheckpoint(run.checkpoints_dir, tr.checkpoint_every_n_steps)
 
     module = build_module(
         cfg.draft,
@@ -215,9 +263,6 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         save_top_k=1,
         enable_version_counter=False,
     )
-    # Refreshes last.ckpt between validations, so a killed run resumes close to where it stopped.
-    periodic = StepCheckpoint(run.checkpoints_dir, tr.checkpoint_every_n_steps)
-    val_interval = min(micro_batches, tr.val_every_n_steps * plan.accumulate_grad_batches)
     loggers = make_loggers(cfg.wandb, plain_config(cfg), run.path, job_type="train")
     failed = True
     try:
@@ -227,11 +272,12 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             num_nodes=plan.num_nodes,
             precision=plan.precision,
             strategy=build_strategy(plan.strategy, plan.world_size),
-            max_epochs=tr.max_epochs if tr.max_steps <= 0 else -1,
-            max_steps=total_steps,
+            max_epochs=1 if window else tr.max_epochs if tr.max_steps <= 0 else -1,
+            max_steps=-1 if window else total_steps,
             accumulate_grad_batches=plan.accumulate_grad_batches,
             gradient_clip_val=tr.grad_clip,
             val_check_interval=val_interval,
+            check_val_every_n_epoch=None if window else 1,
             logger=loggers,
             callbacks=[checkpoint, periodic, LearningRateMonitor(logging_interval="step")],
             plugins=[CheckpointFiles()],
@@ -244,6 +290,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         last = run.last_checkpoint
         trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the periodic interval
+        if window is not None and trainer.is_global_zero:  # every round done, and checkpointed
+            datamodule.retire_done(window.schedule.rounds, str(run.path))
         # Final numbers are those of the selected (best val/tau_sim) checkpoint, loaded by the strategy
         # (under FSDP the module in hand holds shards, not whole tensors).
         best = checkpoint.best_model_path or str(last)
@@ -289,8 +337,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         run_dir=str(run.path),
         shard_dir=str(shards),
         steps=int(trainer.global_step),
-        epochs=int(trainer.current_epoch),
-        train_tokens_per_epoch=datamodule.train_tokens,
+        epochs=tr.max_epochs if window else int(trainer.current_epoch),
+        train_tokens_per_epoch=window.train_tokens if window else datamodule.train_tokens,
         global_batch_tokens=plan.global_batch_tokens,
         tau_sim=float(metrics.get("val/tau_sim", float("nan"))),
         step_accuracy=[float(metrics.get(f"val/acc_{k}", float("nan"))) for k in range(tr.ttt_steps)],

@@ -23,6 +23,7 @@ from eaglet.config.schema import HardwareConfig
 from eaglet.data.conversations import Conversation
 from eaglet.errors import ConfigError
 from eaglet.extract import core
+from eaglet.extract.budget import DiskBudget
 from eaglet.extract.job import ExtractionJob
 from eaglet.extract.plan import plan_shards
 from eaglet.extract.vllm import checkpoint
@@ -136,11 +137,17 @@ def _run(
     start = time.perf_counter()
     render = functools.partial(_rendered, tokenizer, template)
     with folder.writing():
-        processed = _write_shards(job, source, layout, samples, render, shards, todo, manifest)
+        processed = _write_shards(
+            job, source, layout, samples, render, shards, todo, manifest, budget=folder.budget(job)
+        )
         seconds = time.perf_counter() - start
 
-        written = _written_sample_ids(out_dir, manifest)
-        mismatched = len(samples.tokenized) - len(written)
+        mismatched = len(samples.tokenized) - sum(info.num_sequences for info in manifest.shards)
+        # Under extract.max_disk_gb training deletes shards once trained on: the totals count the truncated
+        # sequences of every planned one, those vLLM tokenized differently included.
+        written = (
+            range(len(samples.tokenized)) if folder.budget(job) else _written_sample_ids(out_dir, manifest)
+        )
         summary = core.finish(
             job,
             manifest,
@@ -166,8 +173,10 @@ def _write_shards(
     shards: list[range],
     todo: list[int],
     manifest: Manifest,
+    budget: DiskBudget | None = None,
 ) -> int:
-    """Write the planned shards `todo` names; returns the tokens sent to vLLM."""
+    """Write the planned shards `todo` names, within `budget` (extract.max_disk_gb); returns the tokens sent to
+    vLLM."""
     ext, out_dir = job.extract, job.out_dir
     tokenized, conversations = samples.tokenized, samples.conversations
     dtype = STORED_DTYPES[ext.dtype]
@@ -175,7 +184,7 @@ def _write_shards(
     processed = 0
     with (
         tqdm(total=total, desc="extract (vLLM)", unit="tok", unit_scale=True) as bar,
-        ShardWriterPool(out_dir, manifest, dtype) as writer,
+        ShardWriterPool(out_dir, manifest, dtype, budget=budget) as writer,
     ):
         for index in todo:
             ids = list(shards[index])
