@@ -60,7 +60,7 @@ from eaglet.config.schema import DraftConfig
 from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate import Eagle3Proposer, NgramProposer, evaluate_prompts
-from eaglet.evaluate.stage import load_prompt_set, training_prompts
+from eaglet.evaluate.prompts import load_prompt_set, training_prompts
 from eaglet.formats.reader import canonical_name
 from eaglet.formats.speculators import VOCAB_BUFFERS, speculators_config, speculators_name
 from eaglet.formats.writer import export_eagle

@@ -1,8 +1,11 @@
-"""Evaluate a trained head by speculative decoding against the real target, beside n-gram lookup.
+"""Evaluate a trained head by speculative decoding against the real target (in this process, or through vLLM or
+SGLang servers), beside n-gram lookup.
 
 eaglet-evaluate                                            # the newest run, embedded default
 eaglet-evaluate eval.run=outputs/train/<time> eval.sets=[mt_bench_like,code,math] eval.num_spec_tokens=5
 eaglet-evaluate +eval.set_defs.mine.path=/data/prompts.jsonl +eval.set_defs.mine.count=50 eval.sets=[mine]
+eaglet-evaluate eval.backend=vllm_server model=kimi_k2_5 model.path=/models/Kimi-K2.5 hardware=b200_nvl8
+eaglet-evaluate eval.backend=sglang_server eval.server.url=http://host:30000   # a server you started
 """
 
 from pathlib import Path

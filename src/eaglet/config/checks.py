@@ -12,13 +12,14 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from eaglet.config.bounds import at_least, positive, within
-from eaglet.config.choices import STRATEGIES, ExtractBackend, ExtractFeatures
+from eaglet.config.choices import STRATEGIES, EvalBackend, ExtractBackend, ExtractFeatures
 from eaglet.config.eval_sets import eval_set_defs
 from eaglet.config.schema import (
     DatasetConfig,
     DraftConfig,
     EagletConfig,
     EvalConfig,
+    EvalServerConfig,
     ExtractConfig,
     HardwareConfig,
     ModelConfig,
@@ -271,6 +272,59 @@ def check_eval(ev: EvalConfig) -> None:
     if ev.ngram_max_n < ev.ngram_min_n:
         raise ConfigError(f"eval.ngram_max_n={ev.ngram_max_n} must be >= eval.ngram_min_n={ev.ngram_min_n}")
     at_least("eval", {"tie_tolerance": ev.tie_tolerance}, 0, hint=" (0 = exact)")
+    check_eval_server(ev.server, ev)
+
+
+def check_eval_server(server: EvalServerConfig, ev: EvalConfig) -> None:
+    urls = {"url": server.url, "ngram_url": server.ngram_url, "greedy_url": server.greedy_url}
+    if ev.backend == EvalBackend.in_process:
+        given = sorted(key for key, url in urls.items() if url)
+        if given:
+            raise ConfigError(
+                f"eval.server.{given[0]} is set but eval.backend=in_process loads the target in this process; "
+                "pass eval.backend=vllm_server (or sglang_server) to evaluate through that server"
+            )
+        return
+    for key, url in urls.items():
+        if url and not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"eval.server.{key}={url!r}: expected http://host:port")
+    if not server.url:
+        extra = sorted(key for key in ("ngram_url", "greedy_url") if urls[key])
+        if extra:
+            raise ConfigError(
+                f"eval.server.{extra[0]} is set without eval.server.url (the server drafting with the head): "
+                "give all the servers to connect to, or none and eaglet starts them (eval.server.launch)"
+            )
+        roles = [str(role) for role in server.launch]
+        if not roles:
+            raise ConfigError(
+                "eval.server.launch is empty and eval.server.url is unset: list the servers eaglet starts, "
+                "e.g. eval.server.launch=[greedy,eaglet,ngram]"
+            )
+        twice = sorted({role for role in roles if roles.count(role) > 1})
+        if twice:
+            raise ConfigError(f"eval.server.launch lists {twice} more than once; list each server once")
+        if "baseline" in roles and not ev.baseline_draft:
+            raise ConfigError(
+                "eval.server.launch lists baseline but eval.baseline_draft is unset: give the other head's "
+                "EAGLE folder, or leave baseline out"
+            )
+        if server.executable is not None and not server.executable:
+            raise ConfigError(
+                "eval.server.executable is empty: give the program that starts the engine, e.g. [vllm, serve], "
+                "or null for the engine's own"
+            )
+    within("eval.server", {"port": server.port}, "[1, 65535]")
+    at_least(
+        "eval.server",
+        {"tensor_parallel_size": server.tensor_parallel_size},
+        1,
+        hint=" (null = hardware.devices)",
+    )
+    positive(
+        "eval.server",
+        {"startup_timeout_s": server.startup_timeout_s, "request_timeout_s": server.request_timeout_s},
+    )
 
 
 def check_plan(plan: PlanConfig) -> None:

@@ -93,6 +93,25 @@ class TauSource(StrEnum):
     sim = "sim"
 
 
+class EvalBackend(StrEnum):
+    """How evaluate.py (and a sweep's decoding) reaches the target: loaded in this process, or a serving engine
+    that eaglet starts or connects to (eaglet.evaluate.server_stage)."""
+
+    in_process = "in_process"
+    vllm_server = "vllm_server"
+    sglang_server = "sglang_server"
+
+
+class ServerRole(StrEnum):
+    """A server an evaluation through an engine launches: without speculation (the greedy reference and the
+    speed baseline), with the trained head, with n-gram lookup, with eval.baseline_draft."""
+
+    greedy = "greedy"
+    eaglet = "eaglet"
+    ngram = "ngram"
+    baseline = "baseline"
+
+
 class SweepObjective(StrEnum):
     speedup = "speedup"
     tau = "tau"

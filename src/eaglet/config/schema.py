@@ -16,6 +16,7 @@ from eaglet.config.choices import (
     Accelerator,
     Attention,
     AttentionKeys,
+    EvalBackend,
     ExportFormat,
     ExtractBackend,
     ExtractFeatures,
@@ -23,6 +24,7 @@ from eaglet.config.choices import (
     GenerationEngine,
     Interconnect,
     ModelSource,
+    ServerRole,
     SweepObjective,
     TargetDtype,
     TauSource,
@@ -356,6 +358,40 @@ class EvalSetConfig:
     description: str = ""
 
 
+def _default_server_roles() -> list[ServerRole]:
+    return [ServerRole.greedy, ServerRole.eaglet, ServerRole.ngram]
+
+
+@dataclass
+class EvalServerConfig:
+    """Evaluation through a serving engine (eval.backend=vllm_server|sglang_server): eaglet connects to running
+    servers (`url`, ...) or starts one server per role in `launch`, one after another, on `host`:`port`."""
+
+    # Connect: the server that drafts with the trained head (http://host:8000); null = launch servers.
+    url: str | None = None
+    # Connect, optional: a server with n-gram lookup, and one without speculation (the greedy reference of the
+    # lossless check and the speed baseline).
+    ngram_url: str | None = None
+    greedy_url: str | None = None
+    # Launch: the servers to start, in order (greedy, eaglet, ngram; baseline = eval.baseline_draft).
+    launch: list[ServerRole] = field(default_factory=_default_server_roles)
+    # The target the engine serves; null = model.path.
+    model: str | None = None
+    # The program before the engine's arguments; null = `vllm serve` / `python -m sglang.launch_server`.
+    executable: list[str] | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # null = hardware.devices.
+    tensor_parallel_size: int | None = None
+    # More engine arguments, appended as given (e.g. [--max-model-len, "8192"]).
+    extra_args: list[str] = field(default_factory=list)
+    # Seconds a launched server may take to answer /health (large targets load for many minutes).
+    startup_timeout_s: float = 1800.0
+    request_timeout_s: float = 600.0
+    # Server logs; null = <run>/server_logs.
+    log_dir: str | None = None
+
+
 @dataclass
 class EvalConfig:
     """Speculative decoding against the real target: the trained head beside n-gram lookup."""
@@ -371,6 +407,9 @@ class EvalConfig:
     ngram_max_n: int = 4
     # Another draft to compare, in the EAGLE format (a folder with config.json + model.safetensors).
     baseline_draft: str | None = None
+    # in_process: load the target here (eval.device); vllm_server / sglang_server: through a serving engine.
+    backend: EvalBackend = EvalBackend.in_process
+    server: EvalServerConfig = field(default_factory=EvalServerConfig)
     device: str = "auto"
     # bf16 targets may round a K+1-token verification differently from a 1-token step: top-2 logit gaps
     # below this count as near-ties instead of failing the lossless check. 0 = exact (fp32).

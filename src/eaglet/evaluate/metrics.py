@@ -163,6 +163,11 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         rates = [f"{rate:.2f}" for rate in r["acceptance_rates"]] + [""] * (
             width - len(r["acceptance_rates"])
         )
-        row = [name, f"{r['tau']:.2f}", *rates, f"{r['tokens_per_forward']:.2f}", f"{r['speedup']:.2f}x"]
+        row = [name, f"{r['tau']:.2f}", *rates, _number(r["tokens_per_forward"]), _number(r["speedup"], "x")]
         lines.append("| " + " | ".join([*row, str(r["new_tokens"])]) + " |")
     return "\n".join(lines)
+
+
+def _number(value: float | None, unit: str = "") -> str:
+    """A figure of the table; n/a where it was not measured (a server reports no target forwards)."""
+    return "n/a" if value is None else f"{value:.2f}{unit}"

@@ -20,9 +20,9 @@ from eaglet.data.templating import chat_template_variables, resolve_chat_templat
 from eaglet.errors import DataError
 from eaglet.evaluate.acceptance import DecodeStats
 from eaglet.evaluate.metrics import check_lossless
+from eaglet.evaluate.prompts import load_prompt_set, training_prompts
 from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
 from eaglet.evaluate.speculative import greedy_decode, speculative_decode
-from eaglet.evaluate.stage import load_prompt_set, training_prompts
 from eaglet.formats.reader import load_eagle_draft
 from eaglet.sweeps.replay import replay_all, trace_prompt
 from eaglet.target_model import LoadedTarget, load_target

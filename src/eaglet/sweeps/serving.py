@@ -1,17 +1,18 @@
-"""The deployment a sweep predicts for (target x hardware), its speedup per draft length, and the vLLM line."""
+"""The deployment a sweep predicts for (target x hardware) and its speedup per draft length."""
 
 from __future__ import annotations
 
-import json
-import shlex
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from eaglet.config.schema import DraftConfig, HardwareConfig, ModelConfig
 from eaglet.errors import ConfigError
+from eaglet.formats.serving import speculative_config, vllm_command
+
+# The vLLM line of a sweep's recommendation is built where every serving command is (eaglet.formats.serving).
+__all__ = ["Deployment", "predicted_speedups", "resolve_deployment", "speculative_config", "vllm_command"]
 
 # Serving hardware when a sweep trains on a machine without datasheet numbers (hardware=cpu).
 FALLBACK_HARDWARE = "h200_x1"
@@ -86,22 +87,3 @@ def predicted_speedups(deployment: Deployment, draft_vocab_size: int, taus: list
         float(predicted_speedup(model, hardware, deployment.draft, draft_vocab_size, tau, k))
         for k, tau in enumerate(taus, start=1)
     ]
-
-
-def speculative_config(draft_dir: str | Path, draft_length: int, tensor_parallel_size: int) -> dict[str, Any]:
-    """vLLM's --speculative-config for an EAGLE-3 head; the draft shares the target's tensor-parallel group
-    (vLLM accepts 1 or the target's size)."""
-    config: dict[str, Any] = {
-        "method": "eagle3",
-        "model": str(draft_dir),
-        "num_speculative_tokens": draft_length,
-    }
-    if tensor_parallel_size > 1:
-        config["draft_tensor_parallel_size"] = tensor_parallel_size
-    return config
-
-
-def vllm_command(draft_dir: str | Path, draft_length: int, tensor_parallel_size: int) -> str:
-    spec = json.dumps(speculative_config(draft_dir, draft_length, tensor_parallel_size))
-    tp = f" --tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
-    return f"vllm serve TARGET{tp} --speculative-config {shlex.quote(spec)}"

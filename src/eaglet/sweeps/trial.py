@@ -29,6 +29,7 @@ from eaglet.shards.layout import shard_dir
 from eaglet.sweeps.launch import adopt_submitit_local_tasks, check_one_process_per_rank, link_trial_logs
 from eaglet.sweeps.serving import Deployment, predicted_speedups, resolve_deployment
 from eaglet.sweeps.simulated import simulated_curve
+from eaglet.sweeps.tau_source import DECODE, SERVER, TauChoice, choose_tau_source
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.report import print_summary
 from eaglet.train.run import run_training
@@ -64,8 +65,11 @@ def objective_value(objective: str, taus: list[float], speedups: list[float]) ->
     return max(speedups) if objective == "speedup" else taus[-1]
 
 
-def measure(cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployment) -> dict[str, Any]:
-    """Both τ curves of the exported head, and the predicted speedups of the chosen one."""
+def measure(
+    cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployment, source: str
+) -> dict[str, Any]:
+    """The simulated τ curve of the exported head and, by `source`, a decoded one (in this process or through a
+    server), and the predicted speedups of the chosen one."""
     sw, tr = cfg.sweep, cfg.trainer
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sim = simulated_curve(
@@ -79,12 +83,16 @@ def measure(cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployme
         chunk_tokens=tr.loss_chunk_tokens,
         device=device,
     )
-    decode = None
-    if sw.tau_source == "decode":
+    decode = served = None
+    if source == DECODE:
         from eaglet.sweeps.decode import decode_curve
 
         decode = decode_curve(cfg, RunDir(run_dir).draft_dir, sw.max_draft_length)
-    taus = (decode or sim)["tau"]
+    elif source == SERVER:
+        from eaglet.sweeps.served import server_curve
+
+        served = server_curve(cfg, RunDir(run_dir).draft_dir, sw.max_draft_length)
+    taus = (decode or served or sim)["tau"]
     speedups = predicted_speedups(deployment, cfg.draft.vocab_size, taus)
     best = max(range(len(speedups)), key=speedups.__getitem__)
     return {
@@ -95,7 +103,14 @@ def measure(cfg: EagletConfig, run_dir: Path, shards: Path, deployment: Deployme
         "objective_value": objective_value(sw.objective, taus, speedups),
         "sim": sim,
         "decode": decode,
+        "server": served,
     }
+
+
+def _say(choice: TauChoice) -> None:
+    """One line, before training, on where this trial's τ will come from."""
+    if rank_zero_only.rank == 0:
+        log.info(choice.line())
 
 
 def _log_to_wandb(result: dict[str, Any]) -> None:
@@ -144,6 +159,9 @@ def run_trial(cfg: EagletConfig, run_dir: Path) -> float | None:
         check_config(cfg)
         check_sweep_settings(cfg)
         check_one_process_per_rank(plan_trainer(cfg.hardware, cfg.trainer).world_size)
+        choice = choose_tau_source(cfg)
+        record.update(tau_source=choice.source, tau_source_reason=choice.reason)
+        _say(choice)
         deployment = resolve_deployment(
             cfg.model, cfg.draft, cfg.hardware, cfg.sweep.serve_model, cfg.sweep.serve_hardware
         )
@@ -152,7 +170,7 @@ def run_trial(cfg: EagletConfig, run_dir: Path) -> float | None:
         if summary is None:  # not rank 0: rank 0 measures and reports
             return None
         print_summary(summary)
-        result = measure(cfg, run_dir, shards, deployment)
+        result = measure(cfg, run_dir, shards, deployment, choice.source)
         result["vocab_coverage"] = vocab_coverage(shards, cfg.draft.vocab_size)
         _log_to_wandb(result)
         finish_wandb(failed=False)
