@@ -12,6 +12,7 @@ import hydra
 from eaglet.cli import user_errors
 from eaglet.config import check_config  # (importing eaglet.config registers the schemas)
 from eaglet.config.schema import EagletConfig
+from eaglet.evaluate.record import track_evaluation
 from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
 from eaglet.run_dir import RunDir
 
@@ -23,6 +24,7 @@ def main(cfg: EagletConfig) -> None:
     results = run_evaluation(cfg)
     run = Path(results["run"])
     plot = plot_acceptance(results, run / "acceptance.png")
+    track_evaluation(cfg, results, plot)  # into the training run's W&B record
     print(f"\nper-position acceptance: {plot}\nresults: {RunDir(run).results_file}\nserve the head:\n")
     print(serve_commands(run, cfg.eval.num_spec_tokens))
 

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from eaglet.config.schema import EagletConfig
+from eaglet.config.trials import trial_name
 
 # src/eaglet/config/registry.py -> the checkout's root, where conf/ and the entry scripts live.
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -34,3 +35,6 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("eaglet_root", lambda: str(project_root()))
     if not OmegaConf.has_resolver("eaglet_repo"):
         OmegaConf.register_new_resolver("eaglet_repo", lambda: str(REPO_ROOT))
+    if not OmegaConf.has_resolver("eaglet_trial"):
+        # A multirun job's folder (hydra.sweep.subdir): its swept values, `ttt5-vocab8192`.
+        OmegaConf.register_new_resolver("eaglet_trial", lambda *, _root_: trial_name(_root_.hydra))
