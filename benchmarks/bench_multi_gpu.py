@@ -29,7 +29,7 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-import eaglet.config  # noqa: E402,F401  (registers the schemas)
+from eaglet.config import CONF_DIR  # noqa: E402  (importing it registers the schemas)
 from eaglet.shards.synthetic import write_synthetic_shards  # noqa: E402
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
@@ -44,7 +44,7 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 
 def composed(model: str, hardware: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=[f"model={model}", f"hardware={hardware}"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +22,36 @@ REPO_ROOT = eaglet.config.REPO_ROOT
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One converted-model/tokenizer cache for the whole session (the GGUF tokenizer is slow to read)."""
     return Path(os.environ.get("EAGLET_TEST_CACHE") or tmp_path_factory.mktemp("model-cache"))
+
+
+class FakeWandb:
+    """wandb at its boundary: what a stage hands to wandb.init, run.summary and run.log."""
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+        self.summary: dict = {}
+        self.logged: dict = {}
+
+    def init(self, **kwargs):
+        from types import SimpleNamespace
+
+        self.inits.append(kwargs)
+        return SimpleNamespace(summary=self.summary, log=self.logged.update, finish=lambda exit_code=0: None)
+
+    def Image(self, path: str) -> tuple:  # noqa: N802 (wandb's name)
+        return ("image", path)
+
+    def Table(self, columns: list, data: list) -> tuple:  # noqa: N802
+        return ("table", columns, data)
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> FakeWandb:
+    """wandb replaced at its boundary (offline mode), recording what a stage writes to it."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    return fake
 
 
 @pytest.fixture

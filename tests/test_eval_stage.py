@@ -153,3 +153,43 @@ def test_export_both_formats_and_refuse_a_full_folder(compose, shards, run_dir: 
         run_export(compose(*base, f"export.out_dir={tmp_path / 'eagle'}"))
     spec = run_export(compose(*base, "export.format=speculators", f"export.out_dir={tmp_path / 'spec'}"))
     assert check_speculators_folder(spec)
+
+
+def test_evaluation_results_go_to_the_training_runs_wandb_run(compose, tmp_path: Path, fake_wandb) -> None:
+    from eaglet.evaluate.record import track_evaluation
+    from eaglet.tracking import record_for
+
+    run = tmp_path / "run"
+    trained = record_for(run, project="eaglet", name="run")  # what training recorded in its folder
+    rates = {"eaglet": [0.5, 0.25, 0.0], "ngram": [0.2, 0.0, 0.0]}
+    results = {
+        "run": str(run),
+        "num_spec_tokens": 3,
+        "sets": {
+            name: {
+                "prompts": 2,
+                "overlap_dropped": 1,
+                "results": {
+                    proposer: {"tau": 1.0 + sum(r), "acceptance_rates": r, "tokens_per_forward": 1.5,
+                               "speedup": 1.2, "near_ties": int(proposer == "ngram")}
+                    for proposer, r in rates.items()
+                },
+            }
+            for name in ("code", "math")
+        },
+    }  # fmt: skip
+    plot = plot_acceptance(results, tmp_path / "acceptance.png")
+    assert track_evaluation(compose(), results, plot) == trained.id
+    (init,) = fake_wandb.inits
+    assert (
+        init["id"] == trained.id and init["resume"] == "allow" and init["job_type"] is None
+    )  # stays "train"
+    summary = fake_wandb.summary
+    assert summary["eval/math/eaglet/tau"] == 1.75 and summary["eval/code/ngram/tau"] == 1.2
+    assert [summary[f"eval/code/eaglet/acceptance_{k}"] for k in (1, 2, 3)] == [0.5, 0.25, 0.0]
+    assert summary["eval/math/eaglet/speedup"] == 1.2 and summary["eval/math/eaglet/lossless"] == 2
+    assert summary["eval/math/ngram/lossless"] == 1 and summary["eval/math/ngram/near_ties"] == 1
+    assert summary["eval/code/prompts"] == 2 and summary["eval/num_spec_tokens"] == 3
+    assert fake_wandb.logged["eval/acceptance"] == ("image", str(plot))
+    _, columns, rows = fake_wandb.logged["eval/results"]
+    assert columns[:4] == ["set", "proposer", "prompts", "tau"] and len(rows) == 4

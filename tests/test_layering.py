@@ -20,7 +20,7 @@ PACKAGE = "eaglet"
 # component under eaglet (a package or a module); "eaglet" is the package root itself (only __version__).
 LAYERS: dict[str, set[str]] = {
     "ground": {"eaglet", "config", "errors", "fsutil"},
-    "parts": {"data", "target_model", "shards", "model", "generation", "formats", "run_dir"},
+    "parts": {"data", "target_model", "shards", "model", "generation", "formats", "run_dir", "tracking"},
     "stages": {"extract", "train", "evaluate", "export", "plan"},
     "sweeps": {"sweeps"},
     "entry": {"cli"},

@@ -314,6 +314,30 @@ def test_summary_table_heatmap_and_recommendation(tmp_path: Path, capsys) -> Non
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_summary_goes_to_the_sweeps_wandb_run(tmp_path: Path, fake_wandb) -> None:
+    from eaglet.plan.configs import load_hardware, load_model
+    from eaglet.tracking import read_record
+
+    deployment = Deployment(load_model("llama3_1_8b"), load_draft("llama3_1_8b"), load_hardware("h200_x1"))
+    written = _fake_sweep(tmp_path, deployment)
+    fake = fake_wandb
+    result = summarize(tmp_path)
+    (init,) = fake.inits
+    # Its own run in the trials' group (the sweep folder's name), recorded in the sweep folder.
+    assert (
+        init["group"] == tmp_path.name and init["job_type"] == "sweep-summary" and init["mode"] == "offline"
+    )
+    assert init["id"] == read_record(tmp_path).id and init["resume"] == "allow"
+    rec = result.recommendation
+    assert fake.summary["sweep/best_speedup"] == rec.speedup and fake.summary["sweep/best_trial"] == "2"
+    assert fake.summary["sweep/finished"] == 3 and fake.summary["sweep/trials"] == len(written) + 1
+    assert fake.logged["sweep/heatmap"] == ("image", str(tmp_path / HEATMAP_FILE))
+    kind, columns, rows = fake.logged["sweep/trials"]
+    assert [row[0] for row in rows] == [0, 1, 2, 3, 4] and columns[:3] == ["trial", "name", "status"]
+    summarize(tmp_path)  # summarised again: the same W&B run
+    assert fake.inits[1]["id"] == init["id"]
+
+
 def test_summary_for_other_hardware_predicts_again_and_shards_the_draft(tmp_path: Path) -> None:
     from eaglet.plan.configs import load_hardware, load_model
 
@@ -364,6 +388,53 @@ def test_sweep_files_compose_into_multiruns(model_cache: Path, name: str, sweepe
     assert set(cfg.hydra.sweeper.params) == {"trainer.ttt_steps", "draft.vocab_size"}
     # One folder per sweep, named after it: also the W&B group of its trials.
     assert Path(cfg.hydra.sweep.dir).name.startswith(f"{name}-")
+
+
+def _job(*overrides: str):
+    """A sweep job's composed config, Hydra's part included (as a multirun job sees it)."""
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    import eaglet.config
+
+    try:
+        with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
+            return hydra.compose("config", overrides=list(overrides), return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_trials_are_named_by_their_swept_values(tmp_path: Path, monkeypatch) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from eaglet.config.trials import AXES_ENV, SweepAxes
+    from eaglet.train.tracking import wandb_logger
+
+    monkeypatch.delenv(AXES_ENV, raising=False)
+    job = _job("sweeps=draft_length_vocab", "trainer.ttt_steps=5", "draft.vocab_size=8192", "seed=3")
+    assert OmegaConf.select(job, "hydra.sweep.subdir") == "ttt5-vocab8192"  # seed is not swept
+    # An axis given on the command line only: the sweep's start (its config, as Hydra hands it to callbacks)
+    # passes it to every job.
+    params = {"trainer.ttt_steps": "1,3,5", "draft.vocab_size": "1024,2048"}
+    task = ["sweeps=draft_length_vocab", "trainer.lr=1e-4,3e-4", "seed=3"]
+    SweepAxes().on_multirun_start(
+        OmegaConf.create({"hydra": {"sweeper": {"params": params}, "overrides": {"task": task}}})
+    )
+    job = _job("sweeps=draft_length_vocab", "trainer.ttt_steps=1", "draft.vocab_size=64", "trainer.lr=3e-4")
+    assert OmegaConf.select(job, "hydra.sweep.subdir") == "ttt1-vocab64-lr0.0003"
+    # The trial's W&B run carries the same name, in the sweep's group.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    HydraConfig.instance().set_config(job)
+    try:
+        logger = wandb_logger(save_dir=str(tmp_path), project="p")
+    finally:
+        HydraConfig.instance().cfg = None
+    assert logger._wandb_init["name"] == "ttt1-vocab64-lr0.0003"
+    assert logger._wandb_init["group"] == Path(job.hydra.sweep.dir).name
+    monkeypatch.delenv(AXES_ENV)
+    optuna = _job("sweeps=optuna_tau", "trainer.ttt_steps=2", "draft.vocab_size=512", "hydra.job.num=3")
+    assert OmegaConf.select(optuna, "hydra.sweep.subdir") == "3-ttt2-vocab512"  # optuna may repeat a setting
 
 
 # ---------------------------------------------------------------- both sweeps end to end
@@ -427,7 +498,14 @@ def _sweep(name: str, shards: Path, out: Path, cache: Path, *extra: str) -> Path
 
 
 def _trial_records(sweep_dir: Path) -> dict[int, dict]:
-    return {int(p.parent.name): json.loads(p.read_text()) for p in sweep_dir.glob("*/sweep_trial.json")}
+    """Each trial's record by its number; its folder is named by its swept values."""
+    records = {}
+    for path in sweep_dir.glob("*/sweep_trial.json"):
+        record = json.loads(path.read_text())
+        assert path.parent.name.endswith(f"ttt{record['ttt_steps']}-vocab{record['draft_vocab_size']}")
+        assert record["name"] == f"ttt{record['ttt_steps']}-vocab{record['draft_vocab_size']}"
+        records[record["trial"]] = {**record, "folder": path.parent}
+    return records
 
 
 def _check_summary(sweep_dir: Path, records: dict[int, dict]) -> dict:
@@ -487,11 +565,11 @@ def test_optuna_sweep_end_to_end(smol_shards: Path, tmp_path: Path, model_cache:
     assert sorted((r["ttt_steps"], r["draft_vocab_size"], r["status"]) for r in records.values()) == [
         (2, 64, "ok"), (2, 100000, "failed"),
     ]  # fmt: skip
-    for number, r in ok.items():
+    for r in ok.values():
         assert r["decode"] is None and r["tau"] == r["sim"]["tau"] and r["objective"] == "speedup"
         assert r["train"]["global_batch_tokens"] == 1024 and r["train"]["steps"] == 2
         # Two ranks trained; rank 0 alone wrote the metrics and measured.
-        assert len(list((sweep_dir / str(number)).rglob("metrics.csv"))) == 1
+        assert len(list(r["folder"].rglob("metrics.csv"))) == 1
     logs = (sweep_dir / ".submitit").rglob("*_log.err")
     assert sum("GLOBAL_RANK: 1, MEMBER: 2/2" in log.read_text() for log in logs) == len(ok)
     # The study maximised what the trials returned (their predicted speedup) and counted the failure.

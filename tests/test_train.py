@@ -84,7 +84,8 @@ def test_fit_writes_checkpoints_metrics_report_and_export(compose, shards: Path,
         "train/loss_2",
         "val/tau_sim",
         "val/acc_0",
-        "train/tokens_per_s",
+        "train/device/items_per_sec",
+        "train/device/samples_per_sec",
     ):
         assert key in metrics
     assert 1.0 <= summary.tau_sim <= 4.0 and len(summary.step_accuracy) == 3

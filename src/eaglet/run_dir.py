@@ -4,6 +4,7 @@ outputs/train/<time>/        a run (hydra.run.dir of train.py, under paths.outpu
   draft/                     the head in the EAGLE format (config.json + model.safetensors)
   checkpoints/               the selected best-step*.ckpt and last.ckpt
   metrics.csv                the logged metrics (a resumed run continues it)
+  wandb/                     the W&B run's offline files, and eaglet-run.json: which W&B run this folder is
   report.json                the training summary
   eval.json                  the results of `python evaluate.py`
   export-<format>/           the default folder of `python export.py`

@@ -21,12 +21,14 @@ from eaglet.config.schema import EagletConfig
 @user_errors
 def main(cfg: EagletConfig) -> None:
     check_config(cfg)
+    from eaglet.evaluate.record import track_evaluation
     from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
     from eaglet.run_dir import RunDir
 
     results = run_evaluation(cfg)
     run = Path(results["run"])
     plot = plot_acceptance(results, run / "acceptance.png")
+    track_evaluation(cfg, results, plot)  # into the training run's W&B record
     print(f"\nper-position acceptance: {plot}\nresults: {RunDir(run).results_file}\nserve the head:\n")
     print(serve_commands(run, cfg.eval.num_spec_tokens))
 

@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from eaglet.config.schema import EagletConfig
+from eaglet.config.trials import trial_name
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 CONF_DIR = PACKAGE_DIR / "conf"
@@ -40,6 +41,8 @@ def register_configs() -> None:
         "eaglet_root": lambda: str(project_root()),
         "eaglet_repo": lambda: str(REPO_ROOT),
         "eaglet_assets": lambda: str(ASSETS_DIR),
+        # A multirun job's folder (hydra.sweep.subdir): its swept values, `ttt5-vocab8192`.
+        "eaglet_trial": lambda *, _root_: trial_name(_root_.hydra),
     }
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):

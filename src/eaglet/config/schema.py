@@ -437,7 +437,10 @@ class ExportConfig:
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases tracking; offline unless the user is logged in (WANDB_MODE wins when set)."""
+    """Weights & Biases tracking; offline unless wandb has credentials for its server (WANDB_MODE wins when set).
+
+    conf/logger/wandb.yaml reads these; evaluation and sweep summaries write to the W&B run a folder records.
+    """
 
     project: str = "eaglet"
     entity: str | None = None
@@ -456,6 +459,9 @@ class PathsConfig:
     data_dir: str = MISSING
     cache_dir: str = MISSING
     output_dir: str = MISSING
+    # The training run's folder, set by training itself (Hydra's output folder, or the folder of the run a
+    # checkpoint resumes); conf/callbacks and conf/logger write there through ${paths.run_dir}.
+    run_dir: str | None = None
 
 
 @dataclass
@@ -575,3 +581,8 @@ class EagletConfig:
     # engine, and the Optuna sampler of sweeps/optuna_tau.yaml.
     seed: int = 0
     ckpt_path: str | None = None
+    # Lightning callbacks and loggers of a training run, by name: each entry a `_target_` (a class or function
+    # to import) and its keyword arguments, built by Hydra (conf/callbacks/, conf/logger/). null switches one
+    # off. Plain mappings, so that `+callbacks.<name>._target_=...` adds one; eaglet.config.targets checks them.
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    logger: dict[str, Any] = field(default_factory=dict)

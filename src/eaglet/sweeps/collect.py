@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from eaglet.errors import DataError
 from eaglet.sweeps.trial import TRIAL_FILE
@@ -23,9 +26,10 @@ class Trial:
 
     @property
     def number(self) -> int | None:
+        """The job number: recorded by the trial, else Hydra's record of the job, else a folder named by it."""
         value = self.data.get("trial")
-        if value is None and self.folder.name.isdigit():
-            return int(self.folder.name)
+        if value is None:
+            value = _job_number(self.folder)
         return value
 
     @property
@@ -37,13 +41,23 @@ class Trial:
         return self.data.get("error", "")
 
 
+def _job_number(folder: Path) -> int | None:
+    """hydra.job.num of the job that ran in `folder` (its .hydra/hydra.yaml), or a number leading its name."""
+    hydra_file = folder / ".hydra" / "hydra.yaml"
+    if hydra_file.is_file():
+        num = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.job.num", default=None)
+        if isinstance(num, int):
+            return num
+    leading = re.match(r"\d+(?=-|$)", folder.name)
+    return int(leading.group()) if leading else None
+
+
 def _trial_folders(sweep_dir: Path) -> list[Path]:
-    """Hydra's job folders (numbered, with a .hydra folder) and any folder holding a trial file."""
+    """Hydra's job folders (named by their swept values, with a .hydra folder) and any folder holding a trial
+    file."""
     folders = {p.parent for p in sweep_dir.glob(f"*/{TRIAL_FILE}")}
     folders |= {p.parent for p in sweep_dir.glob("*/.hydra")}
-    return sorted(
-        folders, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
-    )
+    return sorted(folders, key=lambda p: p.name)
 
 
 def load_trials(sweep_dir: Path) -> list[Trial]:
@@ -60,6 +74,7 @@ def load_trials(sweep_dir: Path) -> list[Trial]:
         except json.JSONDecodeError as e:
             raise DataError(f"{path} is not valid JSON ({e}); delete it to list the trial as missing") from e
         trials.append(Trial(folder, str(data.get("status", "missing")), data))
+    trials.sort(key=lambda t: (t.number is None, t.number or 0, t.folder.name))  # in the order they ran
     if not trials:
         raise DataError(
             f"{sweep_dir} holds no trial folders; pass the folder a sweep wrote "

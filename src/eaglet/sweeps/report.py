@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
@@ -94,7 +95,9 @@ def rich_table(rows: list[Row], deployment: Deployment) -> Table:
     table = Table(
         title=f"τ per draft length; speedup predicted for {deployment.model.name} on {deployment.hardware.name}"
     )
-    for name in ("trial", "status", "ttt", "vocab", "coverage", *(f"τ@{k}" for k in range(1, k_max + 1))):
+    table.add_column("trial", justify="right")
+    table.add_column("name")
+    for name in ("status", "ttt", "vocab", "coverage", *(f"τ@{k}" for k in range(1, k_max + 1))):
         table.add_column(name, justify="right")
     table.add_column("best K", justify="right")
     table.add_column("speedup", justify="right")
@@ -104,6 +107,7 @@ def rich_table(rows: list[Row], deployment: Deployment) -> Table:
         taus = [f"{t:.3f}" for t in r.tau] + [""] * (k_max - len(r.tau))
         table.add_row(
             "" if r.trial is None else str(r.trial),
+            Path(r.folder).name,
             r.status,
             "" if r.ttt_steps is None else str(r.ttt_steps),
             "" if r.draft_vocab_size is None else str(r.draft_vocab_size),

@@ -6,7 +6,8 @@ python -m eaglet.sweeps.summarize                      # the newest sweep under 
 
 Speedups are predicted for the deployment the trials recorded (sweep.serve_model / sweep.serve_hardware),
 or for --model / --hardware (names under conf/model, conf/hardware) from the same measured τ curves.
-Writes <sweep>/summary.json and <sweep>/heatmap.png.
+Writes <sweep>/summary.json and <sweep>/heatmap.png, and the same into the sweep's W&B run (group: the sweep
+folder's name, as its trials'; offline unless wandb has credentials, WANDB_MODE=disabled for none).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir
 from eaglet.sweeps.collect import Trial, load_trials, newest_sweep
 from eaglet.sweeps.plot import plot_heatmaps
+from eaglet.sweeps.record import track_sweep
 from eaglet.sweeps.report import Recommendation, Row, build_rows, recommend, rich_table, summary_dict
 from eaglet.sweeps.serving import Deployment, resolve_deployment
 
@@ -63,6 +65,7 @@ def summarize(sweep_dir: Path, model: str | None = None, hardware: str | None = 
     atomic_write_json(summary_path, summary_dict(rows, rec, deployment))
     title = f"{sweep_dir.name}\nspeedup predicted for {deployment.model.name} on {deployment.hardware.name}"
     heatmap = plot_heatmaps(rows, rec, sweep_dir / HEATMAP_FILE, title)
+    track_sweep(sweep_dir, trials, rows, rec, heatmap)
     return SweepSummary(sweep_dir, deployment, rows, rec, summary_path, heatmap)
 
 

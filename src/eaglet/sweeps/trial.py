@@ -33,7 +33,7 @@ from eaglet.sweeps.tau_source import DECODE, SERVER, TauChoice, choose_tau_sourc
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.report import print_summary
 from eaglet.train.run import run_training
-from eaglet.train.tracking import finish_wandb
+from eaglet.train.tracking import finish_wandb, trial_run_name
 
 TRIAL_FILE = "sweep_trial.json"
 
@@ -136,6 +136,7 @@ def _identity(cfg: EagletConfig, run_dir: Path) -> dict[str, Any]:
         if hydra_cfg is not None and hydra_cfg.job.get("num") is not None
         else None,
         "overrides": list(hydra_cfg.overrides.task) if hydra_cfg is not None else [],
+        "name": trial_run_name() or run_dir.name,  # the swept values, as the W&B run is named
         "run_dir": str(run_dir),
         "ttt_steps": int(cfg.trainer.ttt_steps),
         "draft_vocab_size": int(cfg.draft.vocab_size),

@@ -8,7 +8,6 @@ shard folder's target_head.safetensors (or the target itself, online), not from 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import lightning as L
@@ -22,6 +21,10 @@ from eaglet.train.ttt import TTTOutput, tau_sim, ttt_forward
 
 
 class DraftHeadModule(L.LightningModule):
+    # Read by Lightning's ThroughputMonitor (conf/callbacks): no FLOP count here, so no MFU (the planner,
+    # eaglet.plan.training, estimates the step's FLOPs).
+    flops_per_batch: int | None = None
+
     def __init__(
         self,
         *,
@@ -63,7 +66,6 @@ class DraftHeadModule(L.LightningModule):
         self.register_buffer("target_norm_weight", torch.ones(target_hidden_size), persistent=False)
         self.register_buffer("target_lm_head", torch.zeros(vocab_size, target_hidden_size), persistent=False)
         self._val_sums: dict[str, Tensor] = {}
-        self._step_start = 0.0
         self._window_losses: list[Tensor] = []
         self._online_target: Any = None  # see attach_target
 
@@ -120,9 +122,6 @@ class DraftHeadModule(L.LightningModule):
             compile=hp.compile,
         )
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_start = time.perf_counter()
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         out = self._run(batch, noise=True)
         metrics = {"train/loss": out.loss.detach()}
@@ -148,13 +147,6 @@ class DraftHeadModule(L.LightningModule):
         mean = torch.stack(self._window_losses).mean()
         self._window_losses = []
         self.log("train/loss_global", mean, on_step=True, sync_dist=True)
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        seconds = time.perf_counter() - self._step_start
-        tokens = float(batch["input_ids"].numel()) * self.trainer.world_size
-        self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, prog_bar=True)
-        if torch.cuda.is_available():
-            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, on_step=True)
 
     def on_validation_epoch_start(self) -> None:
         k = self.hparams.ttt_steps

@@ -9,12 +9,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from eaglet.config.choices import TrainFeatures
-from eaglet.config.plain import plain_config
 from eaglet.config.schema import DraftConfig, EagletConfig, ModelConfig, TrainerConfig
 from eaglet.errors import DataError, DiskFullError
 from eaglet.formats.writer import export_eagle
@@ -28,11 +26,12 @@ from eaglet.target_model.capture import resolve_aux_layer_ids
 from eaglet.train.checkpoints import CheckpointFiles, StepCheckpoint, check_checkpoint, read_checkpoint
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.disk_full import disk_full, said_if_disk_full
+from eaglet.train.extensions import build_extensions, check_extensions
 from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
 from eaglet.train.strategy import build_strategy
-from eaglet.train.tracking import finish_wandb, make_loggers
+from eaglet.train.tracking import finish_wandb
 from eaglet.train.window import WindowDataModule
 from eaglet.train.window_checkpoint import WindowCheckpoint
 from eaglet.train.window_setup import WindowPlan, open_window
@@ -179,6 +178,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     measurements there, then closes it); a failed run is closed as failed either way.
     """
     start = time.perf_counter()
+    check_extensions(cfg)
     check_machine(cfg.hardware)
     tr = cfg.trainer
     online = tr.features == TrainFeatures.online
@@ -218,7 +218,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         total_steps = window.optimizer_steps(plan)
         # One epoch of unknown length (the stream of rounds): validation every val_every_n_steps steps.
         val_interval = tr.val_every_n_steps * plan.accumulate_grad_batches
-        periodic = WindowCheckpoint(
+        # last.ckpt is what lets shards go: the window's own, in place of callbacks.last_checkpoint.
+        window_checkpoint = WindowCheckpoint(
             run.checkpoints_dir, tr.checkpoint_every_n_steps, datamodule, str(run.path)
         )
     else:
@@ -235,8 +236,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         micro_batches = datamodule.train_batches_per_rank(plan.world_size)
         total_steps = optimizer_steps(tr, datamodule, plan)
         val_interval = min(micro_batches, tr.val_every_n_steps * plan.accumulate_grad_batches)
-        # Refreshes last.ckpt between validations, so a killed run resumes close to where it stopped.
-        periodic = StepCheckpoint(run.checkpoints_dir, tr.checkpoint_every_n_steps)
+        window_checkpoint = None
 
     module = build_module(
         cfg.draft,
@@ -252,20 +252,14 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         module.init_from_target(target.head_weights(), d2t, t2d)
         module.attach_target(target)
 
-    # Without a version counter a step trained again after a resume rewrites its own file (atomically),
-    # rather than adding best-step8-v1.ckpt beside the one its killed predecessor wrote.
-    checkpoint = ModelCheckpoint(
-        dirpath=run.checkpoints_dir,
-        filename="best-step{step}",
-        auto_insert_metric_name=False,
-        monitor="val/tau_sim",
-        mode="max",
-        save_top_k=1,
-        enable_version_counter=False,
-    )
-    loggers = make_loggers(cfg.wandb, plain_config(cfg), run.path, job_type="train")
     failed = True
     try:
+        # Inside the try: building the W&B logger starts its run, which a failure must close as failed.
+        extensions = build_extensions(cfg, run.path, resumed=ckpt_path is not None)
+        checkpoint = extensions.best_checkpoint
+        callbacks = extensions.callbacks
+        if window_checkpoint is not None:
+            callbacks = [c for c in callbacks if not isinstance(c, StepCheckpoint)] + [window_checkpoint]
         trainer = L.Trainer(
             accelerator=plan.accelerator,
             devices=plan.devices,
@@ -278,8 +272,9 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             gradient_clip_val=tr.grad_clip,
             val_check_interval=val_interval,
             check_val_every_n_epoch=None if window else 1,
-            logger=loggers,
-            callbacks=[checkpoint, periodic, LearningRateMonitor(logging_interval="step")],
+            logger=extensions.loggers or False,
+            callbacks=callbacks,
+            enable_progress_bar=extensions.progress_bar,
             plugins=[CheckpointFiles()],
             default_root_dir=run.path,
             use_distributed_sampler=False,
@@ -294,7 +289,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             datamodule.retire_done(window.schedule.rounds, str(run.path))
         # Final numbers are those of the selected (best val/tau_sim) checkpoint, loaded by the strategy
         # (under FSDP the module in hand holds shards, not whole tensors).
-        best = checkpoint.best_model_path or str(last)
+        best = (checkpoint.best_model_path if checkpoint is not None else "") or str(last)
         metrics = (
             trainer.validate(module, datamodule=datamodule, ckpt_path=best, verbose=False, weights_only=True)[
                 0

@@ -1,4 +1,4 @@
-"""Run tracking: a CSV log always, and Weights & Biases (offline unless the user is logged in)."""
+"""The loggers of conf/logger: metrics.csv in the run folder, and Weights & Biases as the record of the run."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from eaglet.config.schema import WandbConfig
+from eaglet.config.trials import trial_name
 from eaglet.fsutil import atomic_output
+from eaglet.tracking import record_for, wandb_mode
 
 
 class _ContinuedWriter(ExperimentWriter):
@@ -48,7 +50,7 @@ class _ContinuedWriter(ExperimentWriter):
 class RunCSVLogger(CSVLogger):
     """metrics.csv in the run folder, saved every step and continued by a resumed run."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: str | Path) -> None:
         super().__init__(save_dir=run_dir, name="", version="", flush_logs_every_n_steps=1)
 
     @property
@@ -58,13 +60,6 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuedWriter(log_dir=self.log_dir)
         return self._experiment
-
-
-def wandb_logged_in() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
 def sweep_group() -> str | None:
@@ -77,28 +72,53 @@ def sweep_group() -> str | None:
     return Path(hydra_cfg.sweep.dir).name
 
 
-def make_loggers(
-    wandb_cfg: WandbConfig, run_config: dict[str, Any], run_dir: Path, job_type: str
-) -> list[Logger]:
-    """A CSV logger, and a W&B one (recording `run_config`) unless WANDB_MODE=disabled."""
-    loggers: list[Logger] = [RunCSVLogger(run_dir)]
-    if "WANDB_MODE" not in os.environ and not wandb_logged_in():
-        os.environ["WANDB_MODE"] = "offline"
-    if os.environ.get("WANDB_MODE") == "disabled":
-        return loggers
-    loggers.append(
-        WandbLogger(
-            project=wandb_cfg.project,
-            entity=wandb_cfg.entity,
-            group=wandb_cfg.group or sweep_group(),
-            tags=list(wandb_cfg.tags),
-            name=run_dir.name,
-            job_type=job_type,
-            save_dir=str(run_dir),
-            config=run_config,
-        )
+def trial_run_name() -> str | None:
+    """A multirun job's swept values (`ttt5-vocab8192`); None for a single run."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return trial_name(HydraConfig.get())
+
+
+def wandb_logger(
+    *,
+    save_dir: str,
+    project: str,
+    entity: str | None = None,
+    group: str | None = None,
+    tags: list[str] | None = None,
+    name: str | None = None,
+    job_type: str = "train",
+    **kwargs: Any,
+) -> WandbLogger | None:
+    """Lightning's WandbLogger for the run in `save_dir` (conf/logger/wandb.yaml); None when W&B is disabled.
+
+    The W&B run is the one the folder records (eaglet.tracking.record): a run resumed in its folder continues
+    its W&B run; a new one starts another and records it. Offline unless wandb has credentials; WANDB_MODE wins.
+    """
+    mode = wandb_mode()
+    if mode == "disabled":
+        return None
+    record = record_for(
+        Path(save_dir),
+        project=project,
+        entity=entity,
+        group=group or sweep_group(),
+        name=name or trial_run_name() or Path(save_dir).name,
+        write=rank_zero_only.rank == 0,  # the other ranks never start the W&B run
     )
-    return loggers
+    return WandbLogger(
+        save_dir=save_dir,
+        project=record.project,
+        entity=record.entity,
+        group=record.group,
+        name=record.name,
+        id=record.id,
+        resume="allow",
+        tags=list(tags or []),
+        job_type=job_type,
+        mode=mode,
+        **kwargs,
+    )
 
 
 def finish_wandb(failed: bool) -> None:
