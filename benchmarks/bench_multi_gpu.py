@@ -56,7 +56,8 @@ def train(run_dir: Path, shards: Path, opts: dict, devices: int, strategy: str, 
         f"trainer.ttt_steps={opts['ttt']}", f"draft.vocab_size={opts['draft_vocab']}",
         "trainer.val_fraction=0", f"trainer.checkpoint_every_n_steps={10**6}", "trainer.lr=1e-4",
         "trainer.warmup_ratio=0", f"trainer.num_workers={opts['workers']}", f"trainer.loader_threads={opts['threads']}",
-        f"hydra.run.dir={run_dir}",
+        # Each step's rate: tokens of one micro-batch over the time since the one before.
+        "callbacks.throughput.window_size=2", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, **SAFE_ENV, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     limit = float(opts["run_timeout"]) or None
@@ -74,13 +75,14 @@ def train(run_dir: Path, shards: Path, opts: dict, devices: int, strategy: str, 
     return run_dir / "metrics.csv"
 
 
-def read_metrics(path: Path, warmup: int) -> dict:
+def read_metrics(path: Path, warmup: int, devices: int) -> dict:
     rows = list(csv.DictReader(open(path)))
 
     def series(key: str) -> dict[int, float]:
         return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
-    tps = [v for step, v in series("train/tokens_per_s").items() if step >= warmup]
+    # ThroughputMonitor's tokens per second of one device, times the devices.
+    tps = [v * devices for step, v in series("train/device/items_per_sec").items() if step >= warmup]
     peak = series("train/peak_mem_gib")
     return {
         "tps": statistics.median(tps),
@@ -119,7 +121,7 @@ def main(argv: list[str]) -> None:
     ]:
         try:
             runs[name] = read_metrics(
-                train(work / strategy, shards, opts, world, strategy, global_tokens), warmup
+                train(work / strategy, shards, opts, world, strategy, global_tokens), warmup, world
             )
             print(
                 f"{name}: {runs[name]['tps']:,.0f} tokens/s, peak {runs[name]['peak_gib']:.1f} GiB",

@@ -15,21 +15,30 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
+from hydra.types import HydraContext
 from hydra_plugins.hydra_submitit_launcher import config, submitit_launcher
+from omegaconf import DictConfig, open_dict
 
 from eaglet.sweeps.launch import TRIAL_LOGS
+
+
+def trial_folder(context: HydraContext, config: DictConfig, overrides: list[str], number: int) -> str:
+    """The job's hydra.sweep.subdir (its swept values, ttt5-vocab8192), composed as the job will compose it."""
+    job_config = context.config_loader.load_sweep_config(config, overrides)
+    with open_dict(job_config.hydra.job):
+        job_config.hydra.job.num = number
+    return str(job_config.hydra.sweep.subdir)
 
 
 class TrialLogsLocalLauncher(submitit_launcher.LocalLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
+        assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         for number, overrides in enumerate(job_overrides, start=initial_job_idx):
-            trial = sweep_dir / str(number)  # hydra.sweep.subdir is the trial's number
-            out, err = (trial / name for name in TRIAL_LOGS)
-            print(
-                f"sweep trial #{number} ({' '.join(overrides)}): output in {out}, errors in {err}", flush=True
-            )
+            name = trial_folder(self.hydra_context, self.config, list(overrides), number)
+            out, err = (sweep_dir / name / log for log in TRIAL_LOGS)
+            print(f"sweep trial #{name} ({' '.join(overrides)}): output in {out}, errors in {err}", flush=True)
         return super().launch(job_overrides, initial_job_idx)
 
 

@@ -10,22 +10,27 @@ from eaglet.config.schema import EagletConfig
 from eaglet.tracking import log_results
 
 
+def differing(result: dict[str, Any]) -> int | None:
+    """Prompts whose text differs from greedy decoding's: at exact near-ties in process, or the mismatched texts
+    of a server (None when no server decoded greedily beside it)."""
+    return result["near_ties"] if "near_ties" in result else result.get("mismatches")
+
+
 def eval_summary(results: dict[str, Any]) -> dict[str, float]:
     """The results as flat W&B summary values: eval/<set>/<proposer>/{tau, acceptance_<k>, speedup,
-    tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties}, eval/<set>/prompts."""
+    tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties}, eval/<set>/prompts; a value
+    a server does not report (tokens per forward, say) is left out."""
     summary: dict[str, float] = {"eval/num_spec_tokens": results["num_spec_tokens"]}
     for name, entry in results["sets"].items():
         summary[f"eval/{name}/prompts"] = entry["prompts"]
         summary[f"eval/{name}/overlap_dropped"] = entry["overlap_dropped"]
         for proposer, r in entry["results"].items():
             key = f"eval/{name}/{proposer}"
-            summary[f"{key}/tau"] = r["tau"]
-            for k, rate in enumerate(r["acceptance_rates"], start=1):
-                summary[f"{key}/acceptance_{k}"] = rate
-            summary[f"{key}/speedup"] = r["speedup"]
-            summary[f"{key}/tokens_per_forward"] = r["tokens_per_forward"]
-            summary[f"{key}/lossless"] = entry["prompts"] - r["near_ties"]
-            summary[f"{key}/near_ties"] = r["near_ties"]
+            values = {"tau": r["tau"], "speedup": r["speedup"], "tokens_per_forward": r["tokens_per_forward"]}
+            values |= {f"acceptance_{k}": rate for k, rate in enumerate(r["acceptance_rates"], start=1)}
+            if (differ := differing(r)) is not None:
+                values |= {"lossless": entry["prompts"] - differ, "near_ties": differ}
+            summary |= {f"{key}/{k}": v for k, v in values.items() if v is not None}
     return summary
 
 
@@ -38,9 +43,11 @@ def results_table(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     for name, entry in results["sets"].items():
         for proposer, r in entry["results"].items():
             rates = [*r["acceptance_rates"], *[None] * (width - len(r["acceptance_rates"]))]
+            differ = differing(r)
+            lossless = None if differ is None else entry["prompts"] - differ
             rows.append(
                 [name, proposer, entry["prompts"], r["tau"], *rates, r["tokens_per_forward"], r["speedup"],
-                 entry["prompts"] - r["near_ties"], r["near_ties"]]
+                 lossless, differ]
             )  # fmt: skip
     return columns, rows
 

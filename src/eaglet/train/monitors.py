@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
 
 
 def packed_documents(batch: dict[str, torch.Tensor]) -> int:
@@ -23,6 +24,17 @@ def packed_documents(batch: dict[str, torch.Tensor]) -> int:
 def packed_tokens(batch: dict[str, torch.Tensor]) -> int:
     """The tokens of a micro-batch, padding included: what the step computes."""
     return int(batch["input_ids"].numel())
+
+
+class StepThroughput(ThroughputMonitor):
+    """Lightning's ThroughputMonitor, with its validation rows logged at the training step they follow.
+
+    Lightning logs them at the validation batch's own index (1, 2, ...): rows out of step order in metrics.csv,
+    where a resumed run continues the file from the first step it logs, and would drop every earlier row.
+    """
+
+    def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
+        super()._compute(trainer, None)  # None: the loggers' own step, the optimizer step
 
 
 class PeakMemory(L.Callback):
