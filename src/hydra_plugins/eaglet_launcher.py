@@ -38,7 +38,9 @@ class TrialLogsLocalLauncher(submitit_launcher.LocalLauncher):
         for number, overrides in enumerate(job_overrides, start=initial_job_idx):
             name = trial_folder(self.hydra_context, self.config, list(overrides), number)
             out, err = (sweep_dir / name / log for log in TRIAL_LOGS)
-            print(f"sweep trial #{name} ({' '.join(overrides)}): output in {out}, errors in {err}", flush=True)
+            print(
+                f"sweep trial #{name} ({' '.join(overrides)}): output in {out}, errors in {err}", flush=True
+            )
         return super().launch(job_overrides, initial_job_idx)
 
 
