@@ -37,7 +37,6 @@ from eaglet.extract.vllm.request_file import (
     to_sequence_features,
     tokenization_mismatch,
 )
-from eaglet.extract.vllm.server import ServerSource
 from eaglet.extract.vllm.version import features_for
 from eaglet.extract.writer import ShardWriterPool
 from eaglet.shards import STORED_DTYPES, Manifest
@@ -62,6 +61,8 @@ def open_source(job: ExtractionJob, plan: LaunchPlan, hardware: HardwareConfig) 
     vc = job.extract.vllm
     if vc.url:
         print("start the vLLM server for this extraction with:\n" + serve_command(plan, vc.url))
+        from eaglet.extract.vllm.server import ServerSource  # the HTTP client, only where a server is used
+
         return ServerSource(vc, architecture=job.model.architecture, max_model_len=plan.max_model_len)
     return EngineSource(plan, hardware, job.model.architecture)
 
