@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from eaglet.errors import DataError
 from eaglet.fsutil import atomic_write_json, sha256_file
@@ -27,6 +29,8 @@ from eaglet.shards import (
     write_manifest,
     write_shard,
 )
+from eaglet.shards.format import all_finite
+from eaglet.shards.streamed import write_safetensors
 
 N_AUX, H = 3, 16
 GROUPS = ((5, 9, 1), (7,), (3, 12))  # sequence lengths of each shard
@@ -283,3 +287,41 @@ def test_written_files_get_the_mode_of_ordinary_files(tmp_path: Path) -> None:
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert modes == {shard_name(0): 0o640, "manifest.json": 0o640}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    info = torch.finfo(dtype)
+    # The largest finite values, tiny and signed ones: all finite; then one inf, -inf or NaN anywhere.
+    base = torch.randn(3, 1000, 7, generator=gen).to(dtype)
+    base[0, 0, 0], base[0, 0, 1], base[0, 0, 2] = info.max, -info.max, info.tiny
+    assert all_finite(base) and bool(torch.isfinite(base).all())
+    for value in (float("inf"), float("-inf"), float("nan")):
+        for _ in range(5):
+            spoiled = base.clone()
+            spoiled.view(-1)[int(torch.randint(spoiled.numel(), (1,), generator=gen))] = value
+            assert not all_finite(spoiled), (dtype, value)
+    assert all_finite(base[:, ::2])  # a strided view is checked as a copy
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_streamed_safetensors_reads_as_safetensors_own(tmp_path: Path, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(12)
+    tensors = {
+        "b_features": torch.randn(70, 3, 9, generator=gen).to(dtype),
+        "a_ids": torch.randint(0, 1 << 30, (70,), generator=gen, dtype=torch.int32),
+        "mask": torch.randint(0, 2, (70,), generator=gen, dtype=torch.uint8),
+        "offsets": torch.arange(5, dtype=torch.int64),
+    }
+    digest = write_safetensors(tmp_path / "s.safetensors", tensors, {"format": "pt"})
+    assert digest == sha256_file(tmp_path / "s.safetensors")
+    save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "s.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    loaded = load_file(tmp_path / "s.safetensors")
+    assert loaded.keys() == tensors.keys()
+    assert all(loaded[k].dtype == tensors[k].dtype and torch.equal(loaded[k], tensors[k]) for k in tensors)
+    with safe_open(tmp_path / "s.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        write_safetensors(tmp_path / "t.safetensors", {"x": tensors["b_features"].transpose(0, 1)}, {})

