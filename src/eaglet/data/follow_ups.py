@@ -89,46 +89,38 @@ def add_follow_ups(
         for turn in range(2, 2 + cfg.follow_up_turns):
             waiting = [current[i] for i in chosen if _awaits_turn(current[i], turn)]
             contexts = {c.id: _context(c, cfg.categories[prompt_category(c.id, names)]) for c in waiting}
-            prompts, fresh = {}, []
+            prompts = {}  # the conversations with room for a follow-up: what the target continues
             for conv in waiting:
                 ids, _ = next_user_turn_prefix(tokenizer, template, contexts[conv.id])
                 if len(ids) + cfg.max_prompt_tokens > max_length:
                     stats.no_room += 1
-                    continue
-                key = _key(conv.id, turn, contexts[conv.id])
-                if key in recorded:
-                    stats.resumed += 1
                 else:
                     prompts[conv.id] = ids
-            if prompts:
+            missing = {i: ids for i, ids in prompts.items() if _key(i, turn, contexts[i]) not in recorded}
+            stats.resumed += len(prompts) - len(missing)
+            if missing:
                 outputs = decode_batch(
-                    model, list(prompts.values()), max_new_tokens=cfg.max_prompt_tokens, stop_ids=stops,
+                    model, list(missing.values()), max_new_tokens=cfg.max_prompt_tokens, stop_ids=stops,
                     pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p,
-                    seeds=[_seed(seed, conv_id, turn) for conv_id in prompts], max_rows=cfg.batch_size,
+                    seeds=[_seed(seed, conv_id, turn) for conv_id in missing], max_rows=cfg.batch_size,
                     engine=engine, compile=compile,
                 )  # fmt: skip
-                for conv_id, tokens in zip(prompts, outputs, strict=True):
-                    stats.generated += 1
-                    stats.tokens += len(tokens)
-                    record = {
-                        "id": conv_id,
-                        "turn": turn,
-                        "history": _history_hash(contexts[conv_id]),
-                        "text": tokenizer.decode(tokens, skip_special_tokens=True).strip(),
-                        "finished": len(tokens) < cfg.max_prompt_tokens,  # else cut at the token budget
-                    }
-                    recorded[_key(conv_id, turn, contexts[conv_id])] = record
-                    fresh.append(record)
+                fresh = [
+                    _record(conv_id, turn, contexts[conv_id], tokens, tokenizer, cfg)
+                    for conv_id, tokens in zip(missing, outputs, strict=True)
+                ]
+                stats.generated += len(fresh)
+                stats.tokens += sum(len(tokens) for tokens in outputs)
+                recorded.update((_key(r["id"], turn, contexts[r["id"]]), r) for r in fresh)
                 _append(sink, fresh)
             extended = []
-            for conv in waiting:
-                record = recorded.get(_key(conv.id, turn, contexts[conv.id]))
-                if record is None:  # no room to write one
-                    continue
+            for conv_id in prompts:
+                record = recorded[_key(conv_id, turn, contexts[conv_id])]
                 reason = _drop_reason(record, cfg, held_out)
                 if reason:
                     setattr(stats, reason, getattr(stats, reason) + 1)
                     continue
+                conv = current[conv_id]
                 prompts_so_far = tuple(t for t in conv.turns if t.role != "assistant")
                 extended.append(
                     Conversation(
@@ -199,6 +191,18 @@ def _history_hash(context: Sequence[Turn]) -> str:
 
 def _key(conv_id: str, turn: int, context: Sequence[Turn]) -> tuple[str, int, str]:
     return conv_id, turn, _history_hash(context)
+
+
+def _record(
+    conv_id: str, turn: int, context: Sequence[Turn], tokens: list[int], tokenizer: Any, cfg: SelfPromptConfig
+) -> dict[str, Any]:
+    return {
+        "id": conv_id,
+        "turn": turn,
+        "history": _history_hash(context),
+        "text": tokenizer.decode(tokens, skip_special_tokens=True).strip(),
+        "finished": len(tokens) < cfg.max_prompt_tokens,  # else cut at the token budget
+    }
 
 
 def _drop_reason(record: Mapping[str, Any], cfg: SelfPromptConfig, held_out: set[str]) -> str | None:
