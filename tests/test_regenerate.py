@@ -104,6 +104,25 @@ def test_an_edited_prompt_is_generated_again(target, tmp_path: Path) -> None:
     assert out[2].turns[0].content == "A changed"
 
 
+def test_a_conversation_that_gained_a_turn_goes_on_from_its_recorded_answers(target, tmp_path: Path) -> None:
+    """Only the new turn is answered; the earlier answer stays as recorded, as answering every turn gives."""
+    path = tmp_path / "r.jsonl"
+    sampled = replace(SETTINGS, temperature=1.0)  # sampled: a wrong seed or history would change the answers
+    first, _ = regenerate_conversations(
+        target.model, target.tokenizer, CONVERSATIONS[1:2], cfg=sampled, out_path=path, max_length=512
+    )
+    longer = [conv("prompt-only", ("user", "Count to three"), ("user", "And to four?"))]
+    out, stats = regenerate_conversations(
+        target.model, target.tokenizer, longer, cfg=sampled, out_path=path, max_length=512
+    )
+    assert stats.generated_turns == 1 and stats.reused_turns == 1 and stats.resumed == 0
+    assert out[0].turns[:2] == first[0].turns and [t.role for t in out[0].turns[2:]] == ["user", "assistant"]
+    whole, _ = regenerate_conversations(
+        target.model, target.tokenizer, longer, cfg=sampled, out_path=tmp_path / "whole.jsonl", max_length=512
+    )
+    assert whole[0].turns == out[0].turns
+
+
 def test_prompts_longer_than_the_budget_are_cut(target, tmp_path: Path) -> None:
     long = conv("long", ("user", "word " * 50), ("assistant", "x"), ("user", "more " * 200))
     out, stats = regenerate_conversations(

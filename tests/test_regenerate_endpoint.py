@@ -387,6 +387,17 @@ def test_a_killed_run_resumes_without_asking_again(server, tmp_path: Path) -> No
     assert out.read_bytes() == reference.read_bytes()
 
 
+def test_a_conversation_that_gained_a_turn_asks_only_for_the_new_answer(server, tmp_path: Path) -> None:
+    cfg = replace(SETTINGS, endpoint=server.url)
+    out = tmp_path / "r.jsonl"
+    first, _ = regenerate_via_endpoint(CONVERSATIONS[1:2], cfg=cfg, model=MODEL, out_path=out, max_length=512)
+    server.bodies.clear()
+    longer = [conv("prompt-only", ("user", "Count to three"), ("user", "And to four?"))]
+    again, stats = regenerate_via_endpoint(longer, cfg=cfg, model=MODEL, out_path=out, max_length=512)
+    assert len(server.bodies) == 1 and stats.reused_turns == 1
+    assert again[0].turns[:2] == first[0].turns and again[0].turns[2] == Turn("user", "And to four?")
+
+
 @pytest.mark.e2e
 def test_extraction_regenerates_through_the_endpoint(compose, server, tmp_path: Path) -> None:
     """The user's command: extract.regenerate.endpoint=... makes the extraction stage ask the server."""

@@ -199,13 +199,14 @@ def check_extract(ext: ExtractConfig) -> None:
     at_least(
         "extract.self_prompt", {"max_prompt_tokens": sp.max_prompt_tokens, "batch_size": sp.batch_size}, 1
     )
-    at_least("extract.self_prompt", {"min_chars": sp.min_chars}, 0)
+    at_least("extract.self_prompt", {"min_chars": sp.min_chars, "follow_up_turns": sp.follow_up_turns}, 0)
     positive("extract.self_prompt", {"temperature": sp.temperature}, hint=" (prompts are sampled)")
     within(
         "extract.self_prompt",
         {"top_p": sp.top_p, "near_duplicate_jaccard": sp.near_duplicate_jaccard},
         "(0, 1]",
     )
+    within("extract.self_prompt", {"follow_up_fraction": sp.follow_up_fraction}, "[0, 1]")
     regen = ext.regenerate
     counts = {
         "max_new_tokens": regen.max_new_tokens,

@@ -237,6 +237,12 @@ class SelfPromptConfig:
     near_duplicate_jaccard: float = 0.7
     # Rows decoding at once.
     batch_size: int = 1024
+    # User turns the target writes after answering each self-prompted conversation, one per round, each answered
+    # in turn (0 = one-turn conversations). A conversation whose follow-up is dropped stays shorter.
+    follow_up_turns: int = 0
+    # Share of self-prompted conversations that get follow-ups (chosen by the seed and the conversation's id, so a
+    # larger share keeps the conversations a smaller one chose).
+    follow_up_fraction: float = 1.0
 
 
 @dataclass

@@ -42,7 +42,14 @@ from tqdm.auto import tqdm
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.regenerate_stats import RegenerateStats
-from eaglet.data.regenerated import append_finished, kept_turns, prompt_hash, read_finished, user_turn_groups
+from eaglet.data.regenerated import (
+    answered_prefixes,
+    append_finished,
+    kept_turns,
+    prompt_hash,
+    read_finished,
+    user_turn_groups,
+)
 from eaglet.data.templating import THINKING_VARIABLES, build_prompt_ids
 from eaglet.errors import ConfigError, EagletError
 
@@ -131,10 +138,14 @@ def regenerate_via_endpoint(
     done = read_finished(out_path, {c.id: prompt_hash(c) for c in conversations})
     stats.resumed = len(done)
     pending = [c for c in conversations if c.id not in done]
+    prefixes = answered_prefixes(out_path, pending)
+    stats.reused_turns = sum(t.role == "assistant" for turns in prefixes.values() for t in turns)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if template_kwargs is None:
         template_kwargs = dict.fromkeys(THINKING_VARIABLES, cfg.thinking)
-    session = _Session(cfg, seed, model, max_length, tokenizer, chat_template, dict(template_kwargs), stats)
+    session = _Session(
+        cfg, seed, model, max_length, tokenizer, chat_template, dict(template_kwargs), stats, prefixes
+    )
     start = time.perf_counter()
     with (
         open(out_path, "ab") as sink,
@@ -172,8 +183,10 @@ class _Session:
         chat_template: str | None,
         template_kwargs: dict[str, Any],
         stats: RegenerateStats,
+        prefixes: dict[str, list[Turn]],
     ) -> None:
         self.cfg, self.seed = cfg, seed
+        self.prefixes = prefixes
         self.template_kwargs = template_kwargs
         self.model = model
         self.max_length = max_length
@@ -212,10 +225,11 @@ class _Session:
                 raise next((e for e in leaves if isinstance(e, EagletError)), leaves[0]) from None
 
     async def answer(self, client: openai.AsyncOpenAI, conv: Conversation) -> Conversation:
-        """`conv` with every user turn answered by the endpoint, in order."""
-        history: list[Turn] = []
+        """`conv` with every user turn answered by the endpoint, in order (after those its record answered)."""
+        history = list(self.prefixes.get(conv.id, []))
         groups = user_turn_groups(conv)
-        for index, group in enumerate(groups):
+        answered = sum(turn.role == "assistant" for turn in history)
+        for index, group in enumerate(groups[answered:], start=answered):
             turns = history + group
             if self.tokenizer is not None:
                 ids = build_prompt_ids(self.tokenizer, turns, chat_template=self.chat_template)

@@ -21,7 +21,14 @@ from tqdm.auto import tqdm
 from eaglet.config.schema import RegenerateConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.regenerate_stats import RegenerateStats
-from eaglet.data.regenerated import append_finished, kept_turns, prompt_hash, read_finished, user_turn_groups
+from eaglet.data.regenerated import (
+    answered_prefixes,
+    append_finished,
+    kept_turns,
+    prompt_hash,
+    read_finished,
+    user_turn_groups,
+)
 from eaglet.data.templating import build_prompt_ids
 from eaglet.errors import ConfigError
 from eaglet.generation import DecodeSettings, Request, decode_continuous
@@ -47,10 +54,18 @@ def regenerate_in_process(
     done = read_finished(out_path, {c.id: prompt_hash(c) for c in conversations})
     stats.resumed = len(done)
     pending = [c for c in conversations if c.id not in done]
-    # Conversations with more user turns start first: their answers come one after another, so a long one
-    # started late would decode alone at the end. Then similar lengths together (little padding). The order,
+    prefixes = answered_prefixes(out_path, pending)
+    stats.reused_turns = sum(_answers(turns) for turns in prefixes.values())
+    # Conversations with more user turns to answer start first: their answers come one after another, so a long
+    # one started late would decode alone at the end. Then similar lengths together (little padding). The order,
     # and so the schedule, is deterministic.
-    pending.sort(key=lambda c: (-len(user_turn_groups(c)), len(c.turns[0].content), c.id))
+    pending.sort(
+        key=lambda c: (
+            _answers(prefixes.get(c.id, ())) - len(user_turn_groups(c)),
+            len(c.turns[0].content),
+            c.id,
+        )
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     settings = DecodeSettings(
         max_new_tokens=cfg.max_new_tokens,
@@ -86,6 +101,7 @@ def regenerate_in_process(
             stats=stats,
             sink=sink,
             on_written=written,
+            prefixes=prefixes,
         )
         decode_continuous(model, turns, settings)
         turns.flush()
@@ -123,8 +139,10 @@ class _TurnQueue:
         stats: RegenerateStats,
         sink: BinaryIO,
         on_written: Callable[[list[Conversation]], None],
+        prefixes: dict[str, list[Turn]],
     ) -> None:
         self.unstarted = iter(pending)
+        self.prefixes = prefixes
         self.tokenizer, self.cfg, self.seed, self.max_length = tokenizer, cfg, seed, max_length
         self.chat_template, self.stats = chat_template, stats
         self.sink, self.on_written = sink, on_written
@@ -137,7 +155,9 @@ class _TurnQueue:
         while len(taken) < limit and self.ready:
             taken.append(self.ready.popleft())
         while len(taken) < limit and (conv := next(self.unstarted, None)) is not None:
-            request = self._next_turn(_Dialogue(conv, user_turn_groups(conv)))
+            answered = self.prefixes.get(conv.id, [])
+            dialogue = _Dialogue(conv, user_turn_groups(conv), list(answered), _answers(answered))
+            request = self._next_turn(dialogue)
             if request is not None:
                 taken.append(request)
         return taken
@@ -175,6 +195,10 @@ class _TurnQueue:
         regenerated = Conversation(id=source.id, turns=turns, source=source.source, line=source.line)
         self.unwritten.append((source, regenerated))
         return None
+
+
+def _answers(turns: Sequence[Turn]) -> int:
+    return sum(turn.role == "assistant" for turn in turns)
 
 
 def _turn_seed(seed: int, conv_id: str, turn: int) -> int:

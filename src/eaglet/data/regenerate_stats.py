@@ -13,6 +13,8 @@ class RegenerateStats:
     generated_tokens: int = 0
     # Conversations cut short because the prompt outgrew the context budget.
     cut_for_length: int = 0
+    # Answers taken from the record of a conversation's shorter version instead of generated again.
+    reused_turns: int = 0
     seconds: float = 0.0
     # Requests sent again after a connection error, timeout, 429 or 5xx (endpoint path only).
     retries: int = 0
@@ -25,6 +27,7 @@ class RegenerateStats:
             generated_turns=self.generated_turns + other.generated_turns,
             generated_tokens=self.generated_tokens + other.generated_tokens,
             cut_for_length=self.cut_for_length + other.cut_for_length,
+            reused_turns=self.reused_turns + other.reused_turns,
             seconds=self.seconds + other.seconds,
             retries=self.retries + other.retries,
         )

@@ -2,7 +2,8 @@
 
 One record per finished conversation, in the shared schema plus a `prompt_hash` of the turns the target
 answered; records are appended and fsynced, so a killed run loses at most the conversations in flight,
-and a restart reuses every record whose prompts still match.
+and a restart reuses every record whose prompts still match. A conversation that gained turns since its record
+was written (a follow-up the target wrote, eaglet.data.follow_ups) goes on from the answers recorded.
 """
 
 from __future__ import annotations
@@ -46,6 +47,43 @@ def kept_turns(history: Sequence[Turn], groups: Sequence[Sequence[Turn]]) -> tup
     if history:
         return tuple(history)
     return tuple(groups[0]) if groups else ()
+
+
+def answered_prefixes(path: Path, pending: Sequence[Conversation]) -> dict[str, list[Turn]]:
+    """For each of `pending` (not in `path` as it is), the longest run of its leading turns that a record with its
+    id answered: its prompt turns up to some user turn, each followed by the answer the record holds.
+
+    Call it after read_finished, which cuts a torn last line. Regeneration goes on from there. An answer depends only on the turns before it and a seed of its
+    conversation and turn, so going on gives what answering every turn again would, without the cost (and an
+    answer the target's later turns were written after stays exactly as it was).
+    """
+    if not path.exists() or not pending:
+        return {}
+    wanted = {c.id: user_turn_groups(c) for c in pending}
+    prefixes: dict[str, list[Turn]] = {}
+    for raw in path.read_bytes().splitlines():
+        record = json.loads(raw)
+        groups = wanted.get(record["id"])
+        if groups is None:
+            continue
+        turns = [Turn(t["role"], t["content"]) for t in record["conversations"]]
+        prefix = _answered_prefix(turns, groups)
+        if len(prefix) >= len(prefixes.get(record["id"], ())) and prefix:
+            prefixes[record["id"]] = prefix
+    return prefixes
+
+
+def _answered_prefix(turns: Sequence[Turn], groups: Sequence[Sequence[Turn]]) -> list[Turn]:
+    """The leading turns of a record that answer `groups` in order: each group verbatim, then one answer."""
+    prefix: list[Turn] = []
+    at = 0
+    for group in groups:
+        end = at + len(group)
+        if list(turns[at:end]) != list(group) or end >= len(turns) or turns[end].role != "assistant":
+            break
+        prefix.extend(turns[at : end + 1])
+        at = end + 1
+    return prefix
 
 
 def append_finished(sink: BinaryIO, finished: Iterable[tuple[Conversation, Conversation]]) -> None:

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,16 @@ class SelfPromptStats:
 def user_turn_prefix(tokenizer: Any, template: str, system: str | None) -> tuple[list[int], int | None]:
     """Token ids of the template up to where a user message's text starts (after `system`, if any), and the
     id of the special token that ends a user message in this template (None when it is not a single token)."""
-    turns = ([{"role": "system", "content": system}] if system else []) + [
+    return next_user_turn_prefix(tokenizer, template, [Turn("system", system)] if system else [])
+
+
+def next_user_turn_prefix(
+    tokenizer: Any, template: str, history: Sequence[Turn]
+) -> tuple[list[int], int | None]:
+    """Token ids of the template rendering `history` (system, user and assistant turns) up to where the next
+    user message's text starts, and the id of the special token that ends a user message (None when it is not
+    a single token)."""
+    turns = [{"role": t.role, "content": t.content} for t in history] + [
         {"role": "user", "content": _SENTINEL}
     ]
     text = tokenizer.apply_chat_template(
@@ -119,7 +128,7 @@ def self_prompt(
     kept = _read(out_path)
     for conv in kept:
         filter_.add(normalise_prompt(conv.turns[0].content))
-        stats.categories[_category(conv.id, names)] += 1
+        stats.categories[prompt_category(conv.id, names)] += 1
     stats.resumed = len(kept)
     start = time.perf_counter()
     attempt = _next_attempt(kept)
@@ -190,7 +199,8 @@ def _seed(seed: int, attempt: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def _category(conv_id: str, names: list[str]) -> str:
+def prompt_category(conv_id: str, names: list[str]) -> str:
+    """The category whose system prompt preceded the prompt of self-prompted conversation `conv_id`."""
     return names[int(conv_id.removeprefix("sp-")) % len(names)]
 
 
@@ -200,7 +210,7 @@ def _append(sink: Any, conversations: list[Conversation], names: list[str]) -> N
         json.dumps(
             {
                 "id": c.id,
-                "category": _category(c.id, names),
+                "category": prompt_category(c.id, names),
                 "conversations": [{"role": "user", "content": c.turns[0].content}],
             },
             ensure_ascii=False,
@@ -240,9 +250,13 @@ def _next_attempt(kept: list[Conversation]) -> int:
 
 
 def self_prompt_report(
-    stats: SelfPromptStats, prompts: list[Conversation], samples: int = 5
+    stats: SelfPromptStats,
+    prompts: list[Conversation],
+    samples: int = 5,
+    follow_ups: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What a self-prompting run kept and dropped, prompts per category, and a few prompts to read."""
+    """What a self-prompting run kept and dropped, prompts per category, and a few prompts to read; with
+    `follow_ups` (eaglet.data.follow_ups.follow_up_report), the follow-up turns written and dropped."""
     step = max(1, len(prompts) // samples)
     return {
         "kept": stats.kept,
@@ -258,6 +272,7 @@ def self_prompt_report(
         "seconds": round(stats.seconds, 1),
         "categories": dict(sorted((stats.categories or Counter()).items())),
         "samples": [c.turns[0].content for c in prompts[::step][:samples]],
+        **({"follow_ups": dict(follow_ups)} if follow_ups is not None else {}),
     }
 
 
@@ -269,4 +284,15 @@ def format_self_prompt_report(report: Mapping[str, Any]) -> str:
         "prompts per category: " + ", ".join(f"{k} {v:,}" for k, v in report["categories"].items()),
     ]
     lines += [f"  e.g. {text[:160]!r}" for text in report["samples"]]
+    follow_ups = report.get("follow_ups")
+    if follow_ups is not None:
+        dropped = ", ".join(f"{n:,} {why.replace('_', ' ')}" for why, n in follow_ups["dropped"].items())
+        lines.append(
+            f"follow-up turns: {follow_ups['written']:,} written ({follow_ups['resumed']:,} from earlier runs), "
+            f"{follow_ups['generated']:,} generated in {follow_ups['seconds']} s; dropped: {dropped}"
+        )
+        lines.append(
+            "conversations by user turns: "
+            + ", ".join(f"{turns}: {n:,}" for turns, n in follow_ups["user_turns"].items())
+        )
     return "\n".join(lines)

@@ -32,10 +32,17 @@ from tqdm.auto import tqdm
 
 from eaglet.config.schema import DatasetConfig, ModelConfig, RegenerateConfig
 from eaglet.data.conversations import Conversation
+from eaglet.data.follow_ups import add_follow_ups, follow_up_report
 from eaglet.data.holdout import eval_set_prompts, normalise_prompt
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerate_stats import RegenerateStats
-from eaglet.data.self_prompt import format_self_prompt_report, self_prompt, self_prompt_report, settings_key
+from eaglet.data.self_prompt import (
+    SelfPromptStats,
+    format_self_prompt_report,
+    self_prompt,
+    self_prompt_report,
+    settings_key,
+)
 from eaglet.data.templating import (
     TokenizedConversation,
     chat_template_hash,
@@ -97,6 +104,8 @@ class ExtractSummary:
     shards: int
     resumed_shards: int
     regenerate: RegenerateStats | None
+    # The follow-up turns of self-prompted conversations (eaglet.data.follow_ups.follow_up_report); None: off.
+    follow_ups: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,23 @@ class Samples:
     # Conversations without an assistant token to learn (none in the data, or none within max_length).
     skipped: int
     regenerated: RegenerateStats | None
+    follow_ups: Mapping[str, Any] | None = None
+
+
+@dataclass
+class SelfPrompted:
+    """The prompts the target wrote (extract.self_prompt), the file that keeps them and what their report says."""
+
+    prompts: list[Conversation]
+    path: Path
+    stats: SelfPromptStats
+    settings: dict[str, Any]
+
+    def write_report(self, follow_ups: Mapping[str, Any] | None = None) -> None:
+        """The report beside the prompts (`.report.json`), printed."""
+        report = self_prompt_report(self.stats, self.prompts, follow_ups=follow_ups)
+        atomic_write_json(self.path.with_suffix(".report.json"), {"settings": self.settings, **report})
+        print(format_self_prompt_report(report))
 
 
 def chat_template(job: ExtractionJob, tokenizer: Any) -> str:
@@ -167,13 +193,25 @@ def prepare_samples(
 
     `model` answers in-process; without it regeneration needs extract.regenerate.endpoint.
     """
-    regenerated = None
-    rg = job.extract.regenerate
-    if job.extract.self_prompt.num_prompts and model is not None:
-        conversations = conversations + self_prompted(job, conversations, tokenizer, template, target, model)
+    regenerated, follow_ups = None, None
+    rg, sp = job.extract.regenerate, job.extract.self_prompt
+    prompted = None
+    if sp.num_prompts and model is not None:
+        prompted = self_prompted(job, conversations, tokenizer, template, target, model)
+        conversations = conversations + prompted.prompts
     if rg.enabled:
         originals = conversations
         conversations, regenerated = _regenerate(job, originals, tokenizer, template, target, model)
+        if prompted is not None and sp.follow_up_turns:
+            conversations, stats, follow_ups = followed_up(
+                job, prompted, conversations, tokenizer, template, target, model
+            )
+            regenerated = regenerated.merged(stats)
+            # The sampled answers answer the follow-ups too, though these were written after the first answers:
+            # user turns are not learned from, and each sampled answer is still the target's to its context.
+            ids = {c.id for c in prompted.prompts}
+            longer = {c.id: c for c in conversations if c.id in ids}
+            originals = [longer.get(c.id, c) for c in originals]
         if rg.samples_per_prompt > 1:
             sampled, stats = _regenerate(
                 job,
@@ -189,7 +227,7 @@ def prepare_samples(
     tokenized, kept, no_masked_token = _tokenize(
         conversations, tokenizer, template, max_length=job.extract.max_length, dataset=job.dataset
     )
-    return Samples(tokenized, kept, no_assistant + no_masked_token, regenerated)
+    return Samples(tokenized, kept, no_assistant + no_masked_token, regenerated, follow_ups)
 
 
 def shared_settings(job: ExtractionJob, aux_ids: list[int]) -> dict[str, Any]:
@@ -374,6 +412,7 @@ def finish(
     resumed_shards: int,
     regenerated: RegenerateStats | None,
     extra_totals: Mapping[str, int] | None = None,
+    follow_ups: Mapping[str, Any] | None = None,
 ) -> ExtractSummary:
     """Token counts and totals of the `written` samples recorded, the manifest marked complete.
 
@@ -417,6 +456,7 @@ def finish(
         shards=len(manifest.shards),
         resumed_shards=resumed_shards,
         regenerate=regenerated,
+        follow_ups=follow_ups,
     )
 
 
@@ -486,7 +526,7 @@ def self_prompted(
     template: str,
     target: TargetIdentity,
     model: torch.nn.Module,
-) -> list[Conversation]:
+) -> SelfPrompted:
     """extract.self_prompt.num_prompts prompts the target wrote (eaglet.data.self_prompt), none of them an
     evaluation prompt or a (near) repeat of each other or of `conversations`' user turns; cached by settings."""
     sp, rg = job.extract.self_prompt, job.extract.regenerate
@@ -515,17 +555,60 @@ def self_prompted(
             held_out=eval_set_prompts(job.held_out_sets), existing=existing, engine=str(rg.engine),
             compile=rg.compile,
         )  # fmt: skip
-    report = self_prompt_report(stats, prompts)
-    atomic_write_json(
-        path.with_suffix(".report.json"), {"settings": {**OmegaConf.to_container(sp), **identity}, **report}
-    )
-    print(format_self_prompt_report(report))
+    prompted = SelfPrompted(prompts, path, stats, {**OmegaConf.to_container(sp), **identity})
+    prompted.write_report()
     if len(prompts) < sp.num_prompts:
         print(
             f"warning: {len(prompts):,} distinct prompts of the {sp.num_prompts:,} asked for: the target repeats "
             "itself at these settings; raise extract.self_prompt.temperature or add categories"
         )
-    return prompts
+    return prompted
+
+
+def followed_up(
+    job: ExtractionJob,
+    prompted: SelfPrompted,
+    answered: list[Conversation],
+    tokenizer: Any,
+    template: str,
+    target: TargetIdentity,
+    model: torch.nn.Module,
+) -> tuple[list[Conversation], RegenerateStats, dict[str, Any]]:
+    """`answered` (same ids and order) with the self-prompted conversations grown by the user turns the target
+    wrote after its answers (extract.self_prompt.follow_up_turns, eaglet.data.follow_ups), each answered; the
+    regeneration of those turns, and the follow-ups' report (also added to the self-prompting report).
+
+    Follow-ups are kept beside the prompts (`<prompts>.follow-ups.jsonl`), keyed by the history they follow; the
+    answers go to the regeneration file of extract.regenerate, where each round goes on from the answers before.
+    """
+    sp, rg = job.extract.self_prompt, job.extract.regenerate
+    path = prompted.path.with_suffix(".follow-ups.jsonl")
+    print(f"self-prompting up to {sp.follow_up_turns} follow-up turns with {job.model.name} -> {path}")
+    rounds: list[RegenerateStats] = []
+
+    def answer(conversations: list[Conversation]) -> list[Conversation]:
+        answers, stats = _regenerate(job, conversations, tokenizer, template, target, model)
+        rounds.append(stats)
+        return answers
+
+    ids = {c.id for c in prompted.prompts}
+    with _full_disk_reported(
+        path.parent,
+        "follow-ups are appended there as they are written",
+        "free space, then re-run the same command",
+    ):
+        longer, stats = add_follow_ups(
+            model, tokenizer, sp, [c for c in answered if c.id in ids], answer=answer, template=template,
+            out_path=path, seed=job.seed, max_length=job.extract.max_length,
+            held_out=eval_set_prompts(job.held_out_sets), engine=str(rg.engine), compile=rg.compile,
+        )  # fmt: skip
+    report = follow_up_report(stats)
+    prompted.write_report(follow_ups=report)
+    by_id = {c.id: c for c in longer}
+    regenerated = RegenerateStats()
+    for round_stats in rounds:
+        regenerated = regenerated.merged(round_stats)
+    return [by_id.get(c.id, c) for c in answered], regenerated, report
 
 
 def sample_copies(conversations: list[Conversation], samples: int) -> list[Conversation]:

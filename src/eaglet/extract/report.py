@@ -35,7 +35,19 @@ def print_summary(summary: ExtractSummary, console: Console | None = None) -> No
             (
                 "regeneration",
                 f"{rg.generated_turns:,} turns, {rg.generated_tokens:,} tokens in {rg.seconds:.1f} s "
-                f"({rg.resumed} conversations resumed, {rg.cut_for_length} cut for length)",
+                f"({rg.resumed} conversations resumed, {rg.cut_for_length} cut for length"
+                + (f", {rg.reused_turns:,} earlier answers reused" if rg.reused_turns else "")
+                + ")",
+            )
+        )
+    follow_ups = summary.follow_ups
+    if follow_ups is not None:
+        by_turns = ", ".join(f"{turns}: {n:,}" for turns, n in follow_ups["user_turns"].items())
+        rows.append(
+            (
+                "self-prompted follow-ups",
+                f"{follow_ups['written']:,} turns written, {sum(follow_ups['dropped'].values()):,} dropped; "
+                f"conversations by user turns {by_turns}",
             )
         )
     for key, value in rows:

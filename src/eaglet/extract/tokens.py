@@ -60,6 +60,7 @@ def run_token_extraction(job: ExtractionJob) -> core.ExtractSummary:
             processed_tokens=sum(s.num_tokens for s in samples.tokenized),
             resumed_shards=resumed,
             regenerated=samples.regenerated,
+            follow_ups=samples.follow_ups,
         )
 
 

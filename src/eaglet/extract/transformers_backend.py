@@ -96,6 +96,7 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
             processed_tokens=processed,
             resumed_shards=resumed,
             regenerated=samples.regenerated,
+            follow_ups=samples.follow_ups,
         )
 
 

@@ -73,7 +73,8 @@ def run_vllm_extraction(job: ExtractionJob, hardware: HardwareConfig, *, seed: i
         raise ConfigError(
             "extract.self_prompt runs with the target in this process: run it once with extract.backend=transformers "
             "(it writes data/self_prompted/*.jsonl), then extract that file with dataset=jsonl "
-            "dataset.paths=[...] on this backend"
+            "dataset.paths=[...] on this backend; conversations with follow-up turns "
+            "(extract.self_prompt.follow_up_turns) are extracted with extract.backend=transformers"
         )
     features_for(job.model.architecture)
     aux_ids = resolve_aux_layer_ids(job.model)
