@@ -4,12 +4,14 @@
     python benchmarks/side_by_side_speculators.py steps=96 ttt=3 prompts=5 max_new_tokens=64
     python benchmarks/side_by_side_speculators.py experiments=smollm2_gpu epochs=6 ttt=5 evaluate=0 save=DIR
     python benchmarks/side_by_side_speculators.py shards=DIR model=tiny_llama ...   # other keys: Hydra overrides
+    python benchmarks/side_by_side_speculators.py experiments=smollm2_scale steps=611 evaluate=0 save=DIR  # online
 
 Both heads start from the same weights at the model config's draft shape (`draft`, `draft.vocab_size`,
 d2t/t2d from the shards' token counts, embeddings and lm_head rows from target_head.safetensors; speculators'
 copy is filled from ours through the export's name mapping). lm_head is frozen for both, as speculators
 defaults (`trainer.lm_head_trainable=false` is forced). They train for the same optimizer steps on the same
-packed micro-batches in the same order (our ShardDataModule's train loader), with the same AdamW settings,
+packed micro-batches in the same order (our ShardDataModule's train loader; with
+`trainer.features=online` the token store's, each micro-batch's features computed once by the frozen target), with the same AdamW settings,
 schedule, gradient accumulation and clipping, K and step-loss decay; feature noise is off for both, and no
 position is masked for a teacher argmax outside the draft vocab (speculators does not mask).
 
@@ -56,6 +58,7 @@ from torch import Tensor, nn
 import eaglet.config
 from eaglet.cli import user_errors
 from eaglet.config import check_config
+from eaglet.config.choices import TrainFeatures
 from eaglet.config.schema import DraftConfig
 from eaglet.data.templating import resolve_chat_template
 from eaglet.errors import ConfigError, DataError
@@ -72,6 +75,7 @@ from eaglet.target_model import load_target
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.module import DraftHeadModule
+from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
 from eaglet.train.run import build_module, check_manifest, optimizer_steps
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
@@ -150,7 +154,7 @@ def compose_config(opts: dict[str, Any], overrides: list[str]) -> DictConfig:
 
 
 def build_speculators(
-    module: DraftHeadModule, cfg: DictConfig, manifest: Manifest, device: torch.device
+    module: DraftHeadModule, cfg: DictConfig, aux_layer_ids: list[int], device: torch.device
 ) -> Eagle3DraftModel:
     """speculators' model from the config our speculators export writes, our weights copied in: its own flex
     attention on GPUs, eager attention on CPU (its flex attention has no CPU backward)."""
@@ -158,7 +162,7 @@ def build_speculators(
     config = speculators_config(
         head,
         draft_config(cfg),
-        aux_layer_ids=manifest.aux_layer_ids,
+        aux_layer_ids=aux_layer_ids,
         target_architecture="LlamaForCausalLM",
         ttt_steps=cfg.trainer.ttt_steps,
         verifier_name_or_path=None,
@@ -185,14 +189,16 @@ def draft_config(cfg: DictConfig) -> DraftConfig:
     return DraftConfig(**OmegaConf.to_container(cfg.draft, resolve=True))
 
 
-def to_eaglet_head(model: Eagle3DraftModel, cfg: DictConfig, manifest: Manifest) -> Eagle3DraftHead:
+def to_eaglet_head(
+    model: Eagle3DraftModel, cfg: DictConfig, manifest: Manifest, aux_layer_ids: list[int]
+) -> Eagle3DraftHead:
     """An Eagle3DraftHead holding speculators' weights (`layers.0.` back to `midlayer.`), in eval mode."""
     head = Eagle3DraftHead(
         draft_config(cfg),
         target_hidden_size=manifest.hidden_size,
         vocab_size=manifest.vocab_size,
         draft_vocab_size=cfg.draft.vocab_size,
-        num_aux=len(manifest.aux_layer_ids),
+        num_aux=len(aux_layer_ids),
     )
     state = {
         canonical_name(name): t.detach().clone()
@@ -381,11 +387,17 @@ def micro_batches(datamodule: ShardDataModule) -> Iterator[dict[str, Tensor]]:
 
 
 def train_both(
-    sides: list[Side], datamodule: ShardDataModule, steps: int, accumulate: int, grad_clip: float
+    sides: list[Side],
+    datamodule: ShardDataModule,
+    steps: int,
+    accumulate: int,
+    grad_clip: float,
+    features: Callable[[dict[str, Tensor]], dict[str, Tensor]] = lambda batch: batch,
 ) -> None:
     """`steps` optimizer steps per side, each over the same `accumulate` micro-batches, interleaved batch by batch
-    (a load change on the machine hits both alike)."""
-    batches = micro_batches(datamodule)
+    (a load change on the machine hits both alike). `features` adds the target's features to a micro-batch of
+    token streams (online), once for both sides."""
+    batches = map(features, micro_batches(datamodule))
     report_every = max(1, steps // 12)
     for step in range(steps):
         for _ in range(accumulate):
@@ -428,47 +440,67 @@ def evaluate_heads(
 def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Build, train, convert, check and evaluate; returns {"sets", "training", "conversion_diff", ...}."""
     cfg = compose_config(opts, overrides)
-    shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
+    tr = cfg.trainer
+    online = tr.features == TrainFeatures.online
+    if online:
+        shards = token_store_dir(cfg)
+    else:
+        shards = shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir)
     manifest = read_manifest(shards)
     if not manifest.complete:
         raise DataError(f"{shards}: extraction is not complete; re-run `python extract.py` (it resumes)")
-    check_manifest(cfg.model, manifest, shards)
-    tr = cfg.trainer
+    (check_token_store if online else check_manifest)(cfg.model, manifest, shards)
     plan = plan_trainer(cfg.hardware, tr)
     if plan.world_size != 1:
         raise ConfigError(
             f"this comparison runs in one process; hardware={cfg.hardware.name} plans {plan.world_size} devices; run it on one (hardware=cpu hardware.devices=1)"
         )
     d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
-    datamodule = ShardDataModule(
+    # Online (trainer.features=online): the frozen target computes each micro-batch's features, once for both.
+    target = load_online_target(cfg, plan, manifest, shards) if online else None
+    aux_layer_ids = target.aux_layer_ids if target is not None else manifest.aux_layer_ids
+    datamodule = (TokenDataModule if online else ShardDataModule)(
         shards, plan.tokens_per_device, tr.val_fraction, cfg.seed, num_workers=0, check_finite=True
     )
     datamodule.setup()
     steps = optimizer_steps(tr, datamodule, plan)
 
     torch.manual_seed(cfg.seed)
-    module = build_module(cfg.draft, tr, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=steps)
-    module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
+    module = build_module(
+        cfg.draft,
+        tr,
+        manifest,
+        target_norm_eps=cfg.model.rms_norm_eps,
+        total_steps=steps,
+        num_aux=len(aux_layer_ids),
+    )
+    head_weights = target.head_weights() if target is not None else load_file(shards / TARGET_HEAD_FILE)
+    module.init_from_target(head_weights, d2t, t2d)
     device = torch.device(
         "cuda" if cfg.hardware.accelerator == "gpu" and torch.cuda.is_available() else "cpu"
     )
-    model = build_speculators(module, cfg, manifest, device).to(device)
+
+    def features(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return batch if target is None else target.to(device).features(to_device(batch, device))
+
+    model = build_speculators(module, cfg, aux_layer_ids, device).to(device)
     module.to(device)
     module.train()
     model.train()
     sides = make_sides(module, model, cfg)
-    train_both(sides, datamodule, steps, plan.accumulate_grad_batches, tr.grad_clip)
+    train_both(sides, datamodule, steps, plan.accumulate_grad_batches, tr.grad_clip, features)
+    check_batch = to_device(features(next(micro_batches(datamodule))), torch.device("cpu"))
 
     module.float().cpu()
     if (
         device.type == "cuda"
     ):  # the conversion is checked in fp32 on CPU, with eager attention, as on the CPU path
         trained = {k: v.float().cpu() for k, v in model.state_dict().items()}
-        model = build_speculators(module, cfg, manifest, torch.device("cpu"))
+        model = build_speculators(module, cfg, aux_layer_ids, torch.device("cpu"))
         model.load_state_dict(trained)
     model.eval()
-    converted = to_eaglet_head(model, cfg, manifest)
-    check_row = speculators_batch(next(micro_batches(datamodule)))
+    converted = to_eaglet_head(model, cfg, manifest, aux_layer_ids)
+    check_row = speculators_batch(check_batch)
     diff = logit_difference(model, converted, check_row, tr.ttt_steps)
     if not diff <= CONVERSION_TOLERANCE:
         raise DataError(
@@ -482,11 +514,11 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
                 head,
                 draft_config(cfg),
                 Path(opts["save"]) / name,
-                aux_layer_ids=manifest.aux_layer_ids,
+                aux_layer_ids=aux_layer_ids,
                 overwrite=True,
             )
     return {
-        "sets": evaluate_heads(cfg, heads, manifest.aux_layer_ids) if opts["evaluate"] else {},
+        "sets": evaluate_heads(cfg, heads, aux_layer_ids) if opts["evaluate"] else {},
         "training": {
             s.name: {"steps": len(s.losses), "seconds": s.seconds, "losses": s.losses} for s in sides
         },

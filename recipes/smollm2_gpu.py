@@ -13,13 +13,16 @@ Stages (each resumes: a finished trial or stage is not redone):
          TRIALS without a sweep) for `final_epochs`, evaluated the same way on every prompt of each set
          (`final_prompts=0`: not here); the speculators package's head trained beside it on the same
          micro-batches for as many optimizer steps; <out>/final.md.
-Settings travel as Hydra overrides, so every number in the tables can be rerun by hand.
+Settings travel as Hydra overrides, so every number in the tables can be rerun by hand. A trial stopped mid-training
+resumes from its last.ckpt. `experiment=NAME` runs every command with another experiments/ config; the helpers
+here (commands with a deadline, training, evaluation, the speculators head) also serve recipes/smollm2_scale.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,14 +45,23 @@ TRIALS: dict[str, list[str]] = {
     "lr3e-4": ["trainer.lr=3e-4"],
     "noise0.05": ["trainer.feature_noise_std=0.05"],
 }
-OPTS = {"stages": "data,sweep,final", "out": "outputs/smollm2_gpu", "gpus": "", "per_gpu": "4",
+OPTS = {"experiment": "smollm2_gpu", "stages": "data,sweep,final", "out": "outputs/smollm2_gpu", "gpus": "", "per_gpu": "4",
         "sweep_epochs": "1", "final_epochs": "12", "sweep_prompts": "10", "final_prompts": "all", "final_trial": "",
         "trials": ",".join(TRIALS),
         "eval_device": "cuda", "extra": ""}  # fmt: skip
-# `extra`: overrides appended to every command, e.g. a CPU smoke run: extra="hardware=cpu dataset=default ...".
+# `experiment`: the experiments/ config every command runs with (src/eaglet/conf/experiments/).
+# `extra`: overrides for every command (a trial's own win over them), e.g. a CPU smoke run:
+# extra="hardware=cpu dataset=default ...".
+# Seconds a stopped command gets to exit on SIGTERM before SIGKILL (every stage resumes after either).
+STOP_GRACE_S = 20
 
 
-def sh(cmd: list[str], log: Path, gpu: str | None = None) -> None:
+class DeadlineReached(Exception):
+    """A command still ran at the caller's deadline and was stopped; rerunning the recipe continues it."""
+
+
+def sh(cmd: list[str], log: Path, gpu: str | None = None, deadline: float | None = None) -> None:
+    """Run `cmd` in the repository, its output appended to `log`; stopped at `deadline` (time.time()), if given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -57,43 +69,90 @@ def sh(cmd: list[str], log: Path, gpu: str | None = None) -> None:
     with open(log, "a") as fh:
         fh.write(f"$ {' '.join(cmd)}\n")
         fh.flush()
-        subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True)
+        # Its own process group: stopping it reaches its workers (W&B, loader processes) too.
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            fh.write("stopped at the recipe's deadline; the same recipe command continues from here\n")
+            raise DeadlineReached(f"{cmd[2] if len(cmd) > 2 else cmd[0]} stopped at the deadline") from None
+        except BaseException:  # the recipe itself interrupted: leave no command running behind it
+            stop(proc)
+            raise
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group, SIGKILL if it has not exited after STOP_GRACE_S."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:  # already gone
+        proc.wait()
+
+
+def common_overrides(overrides: list[str], opts: dict[str, str]) -> list[str]:
+    """The overrides every command of one trial runs with: the experiment, `extra`, then the trial's own (which
+    win: they are what the trial is about)."""
+    return [f"experiments={opts['experiment']}", *opts["extra"].split(), *overrides]
+
+
+def train(run: Path, common: list[str], epochs: int, gpu: str, deadline: float | None = None) -> dict:
+    """Train into `run` unless its report exists; a run stopped before (deadline, crash) resumes from its
+    last.ckpt. Its training report."""
+    layout = RunDir(run)
+    if not layout.report_file.exists():
+        resume = [f"ckpt_path={layout.last_checkpoint}"] if layout.last_checkpoint.exists() else []
+        cmd = [sys.executable, "-u", "train.py", *common, f"trainer.max_epochs={epochs}", *resume,
+               f"hydra.run.dir={run}"]  # fmt: skip
+        sh(cmd, run / "log.txt", gpu, deadline)
+    return json.loads(layout.report_file.read_text())
+
+
+def evaluate(
+    run: Path,
+    common: list[str],
+    prompts: int | None,
+    gpu: str,
+    opts: dict[str, str],
+    deadline: float | None = None,
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """evaluate.py on `run`'s head against the real target beside n-gram lookup (`prompts` per set, None: all),
+    written to <run>/eval.json; `extra`: more overrides (eval.baseline_draft=...). Its results."""
+    limit = [] if prompts is None else [f"eval.prompts_per_set={prompts}"]
+    cmd = [sys.executable, "-u", "evaluate.py", *common, f"eval.run={run}", f"eval.device={opts['eval_device']}",
+           "model.dtype=float32", *limit, *extra, f"hydra.run.dir={run}/eval"]  # fmt: skip
+    sh(cmd, run / "log.txt", gpu, deadline)
+    return json.loads(RunDir(run).results_file.read_text())
 
 
 def train_and_evaluate(
-    run: Path, overrides: list[str], epochs: int, prompts: int | None, gpu: str, opts: dict[str, str]
+    run: Path,
+    overrides: list[str],
+    epochs: int,
+    prompts: int | None,
+    gpu: str,
+    opts: dict[str, str],
+    deadline: float | None = None,
 ) -> dict:
     """One trial: train (resumable: skipped when its report exists), then evaluate; its results."""
-    base = [sys.executable, "-u"]
-    common = ["experiments=smollm2_gpu", *overrides, *opts["extra"].split()]
+    common = common_overrides(overrides, opts)
     layout = RunDir(run)
-    if not layout.report_file.exists():
-        sh(
-            [*base, "train.py", *common, f"trainer.max_epochs={epochs}", f"hydra.run.dir={run}"],
-            run / "log.txt",
-            gpu,
-        )
-    report = json.loads(layout.report_file.read_text())
+    report = train(run, common, epochs, gpu, deadline)
     trained = {"overrides": overrides, "epochs": epochs, "steps": report["steps"], "train_s": report["seconds"],
                "tau_sim": report["tau_sim"]}  # fmt: skip
     if prompts == 0:  # trained only: evaluated later, e.g. on CPU
         return {**trained, "saved": str(layout.draft_dir)}
     if not layout.results_file.exists():
-        limit = [] if prompts is None else [f"eval.prompts_per_set={prompts}"]
-        sh(
-            [
-                *base,
-                "evaluate.py",
-                *common,
-                f"eval.run={run}",
-                f"eval.device={opts['eval_device']}",
-                "model.dtype=float32",
-                *limit,
-                f"hydra.run.dir={run}/eval",
-            ],  # fmt: skip
-            run / "log.txt",
-            gpu,
-        )
+        evaluate(run, common, prompts, gpu, opts, deadline)
     sets = json.loads(layout.results_file.read_text())["sets"]
     tau = {name: s["results"]["eaglet"]["tau"] for name, s in sets.items()}
     ngram = {name: s["results"]["ngram"]["tau"] for name, s in sets.items()}
@@ -142,23 +201,25 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> None:
-    opts = dict(OPTS)
+def parse_options(argv: list[str], defaults: dict[str, str]) -> dict[str, str]:
+    """`key=value` arguments over `defaults`; an unknown key stops the recipe, naming the options."""
+    opts = dict(defaults)
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
             raise SystemExit(f"unknown option {key!r}; options: {', '.join(opts)}")
         opts[key] = value
+    return opts
+
+
+def main(argv: list[str]) -> None:
+    opts = parse_options(argv, OPTS)
     out = (ROOT / opts["out"]).resolve()
     stages = opts["stages"].split(",")
     gpus = opts["gpus"].split(",") if opts["gpus"] else [str(i) for i in range(_gpu_count())]
     start = time.time()
     if "data" in stages:
-        sh(
-            [sys.executable, "-u", "extract.py", "experiments=smollm2_gpu", *opts["extra"].split()],
-            out / "data.log",
-            gpus[0],
-        )
+        sh([sys.executable, "-u", "extract.py", *common_overrides([], opts)], out / "data.log", gpus[0])
         print(f"data ready ({time.time() - start:.0f} s)", flush=True)
     if "sweep" in stages:
         epochs = int(opts["sweep_epochs"])
@@ -209,17 +270,22 @@ def final_overrides(out: Path, trial: str) -> list[str]:
     return max(scored, key=lambda r: r["score"])["overrides"]
 
 
-def train_speculators(save: Path, overrides: list[str], epochs: int, gpu: str, opts: dict[str, str]) -> dict:
+def train_speculators(
+    save: Path,
+    overrides: list[str],
+    epochs: int,
+    gpu: str,
+    opts: dict[str, str],
+    deadline: float | None = None,
+) -> dict:
     """benchmarks/side_by_side_speculators.py with the final head's settings (K included) for as many optimizer
-    steps as `epochs` epochs of train.py."""
+    steps as `epochs` epochs of train.py (a trainer.max_steps in `overrides` wins, as in train.py)."""
     if (save / "speculators" / "config.json").exists():
         return {"saved": str(save / "speculators")}
-    cmd = [
-        sys.executable, "-u", "benchmarks/side_by_side_speculators.py", "experiments=smollm2_gpu",
-        f"epochs={epochs}", "evaluate=0", f"save={save}", *overrides, *opts["extra"].split(),
-    ]  # fmt: skip
+    cmd = [sys.executable, "-u", "benchmarks/side_by_side_speculators.py", f"epochs={epochs}", "evaluate=0",
+           f"save={save}", *common_overrides(overrides, opts)]  # fmt: skip
     try:
-        sh(cmd, save / "log.txt", gpu)
+        sh(cmd, save / "log.txt", gpu, deadline)
     except subprocess.CalledProcessError as err:
         return {"failed": f"exit {err.returncode}; see {save / 'log.txt'}"}
     return {"saved": str(save / "speculators"), "epochs": epochs}

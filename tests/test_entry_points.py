@@ -49,14 +49,14 @@ def test_help_lists_every_config_group_without_importing_torch() -> None:
     output, heavy = _run_script("train", "--help")
     assert heavy == []
     groups = dict(re.findall(r"^(\w+): (.+)$", output.split("== Config ==")[0], flags=re.M))
-    assert groups["experiments"] == "smollm2_gpu"
+    assert groups["experiments"] == "smollm2_gpu, smollm2_scale"
     assert groups["sweeps"] == "draft_length_vocab, optuna_tau"
     assert {"model", "dataset", "draft", "hardware", "trainer", "plan", "recipe"} <= set(groups)
 
 
 def test_every_experiment_composes_and_its_shipped_data_is_there(compose) -> None:
     names = sorted(p.stem for p in (CONF_DIR / "experiments").glob("*.yaml"))
-    assert names == ["smollm2_gpu"]
+    assert names == ["smollm2_gpu", "smollm2_scale"]
     for name in names:
         cfg = compose(f"experiments={name}")
         source = cfg.extract.regenerate.import_from

@@ -318,6 +318,19 @@ def test_sampled_answers_are_extra_sequences_with_their_own_ids(compose, tmp_pat
     assert again.regenerate.resumed == 3 * 3 and again.tokens == three.tokens
 
 
+def test_sampled_answers_for_the_first_conversations_only(compose, tmp_path: Path) -> None:
+    """sampled_conversations=1: every conversation answered greedily, only the first one sampled too."""
+    data = write_jsonl(tmp_path / "d.jsonl", some_records(3))
+    regen = ["extract.regenerate.enabled=true", "extract.regenerate.max_new_tokens=6", f"paths.data_dir={tmp_path}",
+             "extract.regenerate.samples_per_prompt=2", "extract.regenerate.sampled_conversations=1"]  # fmt: skip
+    summary = run_extraction(compose(*overrides(data, tmp_path / "out", *regen)))
+    assert summary.sequences == 3 + 1
+    sampled = [f for f in (tmp_path / "regenerated").iterdir() if "#s1" in f.read_text()]
+    assert [json.loads(line)["id"] for line in sampled[0].read_text().splitlines()] == [
+        f"{some_records(3)[0]['id']}#s1"
+    ]
+
+
 def test_sampled_answers_need_a_temperature(compose, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", some_records(2))
     bad = ["extract.regenerate.enabled=true", "extract.regenerate.samples_per_prompt=2",

@@ -69,7 +69,7 @@ def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_ca
     )
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
     ours = module.head.eval()
-    theirs = sbs.build_speculators(module, cfg, manifest, torch.device("cpu")).eval()
+    theirs = sbs.build_speculators(module, cfg, manifest.aux_layer_ids, torch.device("cpu")).eval()
     assert theirs.layers[0].self_attn.config._attn_implementation == "eager"
     assert not theirs.lm_head.weight.requires_grad and not ours.lm_head.weight.requires_grad
     row = random_row(manifest.hidden_size, manifest.vocab_size, torch.Generator().manual_seed(1))
@@ -81,7 +81,7 @@ def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_ca
         for p in theirs.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     assert sbs.logit_difference(theirs, ours, row, TTT) > 1e-2
-    converted = sbs.to_eaglet_head(theirs, cfg, manifest)
+    converted = sbs.to_eaglet_head(theirs, cfg, manifest, manifest.aux_layer_ids)
     assert sbs.logit_difference(theirs, converted, row, TTT) < 1e-4
     assert torch.equal(converted.d2t, ours.d2t) and torch.equal(converted.t2d, ours.t2d)
 
@@ -127,6 +127,17 @@ def test_script_trains_both_converts_and_reports(
     text = bench.read_text()
     assert "### Side by side with speculators" in text and "steps=2" in text
     assert "| code | 1 | speculators |" in text and "`eager` attention" in text
+
+
+def test_online_trains_on_the_features_the_shards_hold(sbs, shards: Path, model_cache: Path) -> None:  # noqa: F811
+    """trainer.features=online on the same folder's token streams: the target's features computed in the loop
+    equal the stored ones (float32 on CPU), so both sides train to the same losses as from the shards."""
+    args = [*script_args(shards, model_cache), "steps=2", "evaluate=0"]
+    stored = sbs.main(args)["training"]
+    online = sbs.main([*args, "trainer.features=online"])["training"]
+    for side in ("eaglet", "speculators"):
+        assert online[side]["steps"] == 2
+        assert online[side]["losses"] == pytest.approx(stored[side]["losses"], rel=1e-3)
 
 
 @pytest.mark.parametrize(

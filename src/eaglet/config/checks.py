@@ -227,6 +227,7 @@ def check_extract(ext: ExtractConfig) -> None:
         within(
             "extract.regenerate", {"sample_top_p": regen.sample_top_p}, "(0, 1]", hint=" (1 = no nucleus cut)"
         )
+        at_least("extract.regenerate", {"sampled_conversations": regen.sampled_conversations}, 1)
     vllm = ext.vllm
     counts = {
         "tensor_parallel_size": vllm.tensor_parallel_size,

@@ -171,6 +171,10 @@ class RegenerateConfig:
     samples_per_prompt: int = 1
     sample_temperature: float = 0.7
     sample_top_p: float = 0.95
+    # Sampled answers for the first N conversations only (the dataset's come first, then the self-prompted ones);
+    # null: for every conversation. Sampled tokens cost as much to generate as greedy ones: this spends a
+    # generation budget on a share of sampled answers without giving up prompts.
+    sampled_conversations: int | None = None
     batch_size: int = 16
     # In-process: decode steps between checks for finished answers, whose rows then take the next turn.
     # Sampling is seeded by the top-level `seed`.

@@ -215,7 +215,7 @@ def prepare_samples(
         if rg.samples_per_prompt > 1:
             sampled, stats = _regenerate(
                 job,
-                sample_copies(originals, rg.samples_per_prompt),
+                sample_copies(originals[: rg.sampled_conversations], rg.samples_per_prompt),
                 tokenizer,
                 template,
                 target,
@@ -255,9 +255,10 @@ def regenerate_settings(
     regen = job.extract.regenerate
     if not regen.enabled:
         return None
-    unused = (
-        ("samples_per_prompt", "sample_temperature", "sample_top_p") if regen.samples_per_prompt == 1 else ()
-    )
+    sampling = ("samples_per_prompt", "sample_temperature", "sample_top_p", "sampled_conversations")
+    unused = sampling if regen.samples_per_prompt == 1 else ()
+    if regen.sampled_conversations is None:  # every conversation sampled: as before the key existed
+        unused += ("sampled_conversations",)
     return {k: v for k, v in dict(regen).items() if k not in without + unused} | {"seed": job.seed}
 
 

@@ -1,0 +1,155 @@
+"""The report of recipes/smollm2_scale.py: its rows' τ per held-out set beside n-gram lookup, acceptance per draft
+position, the lossless count, the ratios against the goal and what was not run, as markdown."""
+
+from __future__ import annotations
+
+SET_NAMES = {"mt_bench_like": "chat", "code": "code", "math": "maths"}
+# τ at K = 4: at least these multiples of n-gram lookup's, per set; and of the speculators head's.
+GOAL_VS_NGRAM = {"mt_bench_like": 2.0, "code": 1.5, "math": 1.5}
+GOAL_VS_SPECULATORS = 1.1
+SPECULATORS = "speculators"
+
+
+def format_report(record: dict, status: dict[str, str]) -> str:
+    rows = record["rows"]
+    sets = next((list(r["sets"]) for r in rows.values() if r.get("sets")), [])
+    parts = [
+        "# smollm2_scale: the embedded target at scale, online\n",
+        _stores(record["stores"]),
+        _taus(rows, sets),
+    ]
+    if "main" in rows and rows["main"].get("sets"):
+        parts.append(_goal(rows, sets))
+    parts += [_ablations(rows, sets), _acceptance(rows, sets), _left(status)]
+    return "\n".join(p for p in parts if p)
+
+
+def _stores(stores: dict[str, dict | None]) -> str:
+    lines = [
+        "## Data (token stores)\n",
+        "| store | sequences | tokens | answer tokens |",
+        "|---|---|---|---|",
+    ]
+    for name, totals in stores.items():
+        if totals is None:
+            lines.append(f"| {name} | not extracted yet | | |")
+        else:
+            lines.append(
+                f"| {name} | {totals['sequences']:,} | {totals['tokens']:,} | {totals['masked_tokens']:,} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _taus(rows: dict[str, dict], sets: list[str]) -> str:
+    names = [SET_NAMES.get(s, s) for s in sets]
+    columns = ["row", "question", "data", "overrides", "tokens seen", "steps", "train s", "val τ_sim"]
+    columns += [f"τ {n} (× n-gram)" for n in names] + ["lossless"]
+    lines = [
+        "## τ at K = 4 on held-out prompts, against the real target\n",
+        "| " + " | ".join(columns) + " |",
+    ]
+    lines.append("|" + "---|" * len(columns))
+    for name, r in rows.items():
+        trained = [f"{r['tokens_seen']:,}", str(r["steps"])] if "steps" in r else ["—", "—"]
+        timing = [f"{r['train_s']:.0f}", f"{r['tau_sim']:.2f}"] if "train_s" in r else ["—", "—"]
+        cells = [name, r["question"], r["store"], " ".join(r["overrides"]) or "—", *trained, *timing]
+        if r.get("sets"):
+            for s in sets:
+                ours, ngram = _tau(r, s, "eaglet"), _tau(r, s, "ngram")
+                cells.append(f"{ours:.2f} ({ours / ngram:.2f}×)")
+            cells.append(_lossless(r))
+        else:
+            cells += ["not evaluated" if i == 0 else "" for i in range(len(sets) + 1)]
+        lines.append("| " + " | ".join(cells) + " |")
+    ngram_row = next((r for r in rows.values() if r.get("sets")), None)
+    if ngram_row is not None:
+        taus = " | ".join(f"{_tau(ngram_row, s, 'ngram'):.2f}" for s in sets)
+        lines.append(f"| n-gram lookup | prompt lookup, same prompts | — | — | — | — | — | — | {taus} | |")
+    prompts = (
+        ", ".join(f"{SET_NAMES.get(s, s)} {ngram_row['sets'][s]['prompts']}" for s in sets)
+        if ngram_row
+        else ""
+    )
+    note = (
+        f"\nPrompts per set: {prompts}. Lossless: prompts whose speculative output equals greedy decoding's."
+    )
+    return "\n".join(lines) + (note if prompts else "") + "\n"
+
+
+def _goal(rows: dict[str, dict], sets: list[str]) -> str:
+    main = rows["main"]
+    lines = ["## Against the goal\n"]
+    for s in sets:
+        ratio = _tau(main, s, "eaglet") / _tau(main, s, "ngram")
+        goal = GOAL_VS_NGRAM.get(s)
+        verdict = "" if goal is None else f" (goal ≥ {goal}×: {'met' if ratio >= goal else 'not met'})"
+        lines.append(f"- main vs n-gram lookup, {SET_NAMES.get(s, s)}: {ratio:.2f}×{verdict}")
+    spec = rows.get(SPECULATORS, {})
+    if spec.get("sets"):
+        beside = spec["against"]
+        for who in dict.fromkeys(["main", beside]):
+            if rows.get(who, {}).get("sets"):
+                ratios = ", ".join(
+                    f"{SET_NAMES.get(s, s)} {_tau(rows[who], s, 'eaglet') / _tau(spec, s, 'eaglet'):.2f}×"
+                    for s in sets
+                )
+                same = " (same data and steps)" if who == beside else ""
+                lines.append(
+                    f"- {who} vs the speculators head{same}: {ratios} (goal ≥ {GOAL_VS_SPECULATORS}×)"
+                )
+    else:
+        lines.append("- vs the speculators head: not evaluated yet")
+    return "\n".join(lines) + "\n"
+
+
+def _ablations(rows: dict[str, dict], sets: list[str]) -> str:
+    lines = []
+    for name, r in rows.items():
+        base = rows.get(r.get("against") or "", {})
+        if name == SPECULATORS or not r.get("sets") or not base.get("sets"):
+            continue
+        deltas = ", ".join(
+            f"{SET_NAMES.get(s, s)} {_tau(r, s, 'eaglet') - _tau(base, s, 'eaglet'):+.2f}" for s in sets
+        )
+        lines.append(f"- {name} ({r['question']}) against {r['against']}, equal tokens: Δτ {deltas}")
+    return "## Ablations\n\n" + "\n".join(lines) + "\n" if lines else ""
+
+
+def _acceptance(rows: dict[str, dict], sets: list[str]) -> str:
+    lines = []
+    for name, r in rows.items():
+        for s in sets if r.get("sets") else []:
+            rates = r["sets"][s]["results"]["eaglet"]["acceptance_rates"]
+            lines.append(
+                f"| {name} | {SET_NAMES.get(s, s)} | " + " | ".join(f"{a:.2f}" for a in rates) + " |"
+            )
+    first = next((r for r in rows.values() if r.get("sets")), None)
+    if first is None:
+        return ""
+    for s in sets:
+        rates = first["sets"][s]["results"]["ngram"]["acceptance_rates"]
+        lines.append(
+            f"| n-gram lookup | {SET_NAMES.get(s, s)} | " + " | ".join(f"{a:.2f}" for a in rates) + " |"
+        )
+    k = len(first["sets"][sets[0]]["results"]["eaglet"]["acceptance_rates"])
+    head = [
+        "## Acceptance per draft position\n",
+        "| row | set | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |",
+    ]
+    return "\n".join([*head, "|" + "---|" * (2 + k), *lines]) + "\n"
+
+
+def _left(status: dict[str, str]) -> str:
+    left = [f"- {name}: {s}" for name, s in status.items() if not s.startswith("done")]
+    if not left:
+        return "Every row ran.\n"
+    return "## Not run (yet)\n\n" + "\n".join(left) + "\nRerun the same command to continue.\n"
+
+
+def _tau(row: dict, set_name: str, proposer: str) -> float:
+    return row["sets"][set_name]["results"][proposer]["tau"]
+
+
+def _lossless(row: dict) -> str:
+    exact = sum(s["prompts"] - s["results"]["eaglet"].get("near_ties", 0) for s in row["sets"].values())
+    return f"{exact}/{sum(s['prompts'] for s in row['sets'].values())}"

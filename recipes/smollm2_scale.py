@@ -1,0 +1,336 @@
+"""The embedded target at scale, online, in one command that can be reissued: data, the head, a data-scaling curve,
+ablations and the speculators column, each evaluated against the real target beside n-gram lookup.
+
+    python recipes/smollm2_scale.py deadline_s=540      # on one H200; reissue the same command until it says done
+    python recipes/smollm2_scale.py rows=main main_epochs=2
+
+Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has the data and its time estimates):
+- data:   `python extract.py experiments=smollm2_scale`: every shared prompt and 200K self-prompted ones, greedy and
+          sampled answers, token streams into <out>/tokens/main (5 B a token).
+- main:   `python train.py experiments=smollm2_scale` online for `main_epochs` epochs, then `python evaluate.py`
+          (fp32 target, every prompt of each held-out set, K = 4) beside n-gram lookup.
+- scale_small, scale_mid: the same settings on `small_tokens` and `mid_tokens` tokens, each seen once
+          (trainer.max_steps = tokens / trainer.global_batch_tokens: a random subset of the same data, in the same
+          order of draws and the same schedule shape as the head's).
+- shared_only: shared prompts only (no self-prompted ones), `small_tokens` tokens: against scale_small.
+- greedy_only: greedy answers only (no sampled ones), `mid_tokens` tokens: against scale_mid.
+- ttt7:   K = 7 training steps instead of 5, `mid_tokens` tokens: against scale_mid.
+- speculators: the speculators package's head on the data and steps of `speculators_row`
+          (benchmarks/side_by_side_speculators.py), evaluated beside that row's head in the same run.
+The report, <out>/scale.md (and scale.json), lists τ per set, per-position acceptance and the lossless count for
+every row, the n-gram baseline, the ratios against the goal, and what was not run.
+
+Estimated H200 time (from the measured rates in the experiment's header; not measured as a whole): data ~15 min,
+main ~7.5 min an epoch + ~1-2 min of evaluation; scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store
+reuses the answers: ~1 min to tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads
+trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of start-up.
+
+`deadline_s=S`: no command starts with less than `min_start_s` seconds left of the S this invocation may run, and
+one still running at S is stopped (every stage resumes: extraction and answers where they were, training from its
+last.ckpt); the invocation then writes the report, says what is left and exits 0. Reissuing the same command
+continues; finished work is never redone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from scale_report import SPECULATORS, format_report
+from smollm2_gpu import (
+    ROOT,
+    DeadlineReached,
+    common_overrides,
+    evaluate,
+    parse_options,
+    sh,
+    train,
+    train_speculators,
+)
+
+from eaglet.config import CONF_DIR
+from eaglet.run_dir import RunDir
+from eaglet.shards.manifest import MANIFEST_FILE
+
+OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
+        "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
+        "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "gpu": "0",
+        "extra": ""}  # fmt: skip
+# `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
+# (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
+
+# Token stores: what each changes against the experiment's data (under <out>/tokens/<name>). Answers are reused
+# from data/regenerated/ and data/self_prompted/, so only the main store generates.
+STORES: dict[str, tuple[str, ...]] = {
+    "main": (),
+    "shared_only": ("extract.self_prompt.num_prompts=0",),
+    "greedy_only": ("extract.regenerate.samples_per_prompt=1",),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One trained head of the report: its data, its overrides and how many tokens it sees."""
+
+    question: str
+    store: str = "main"
+    overrides: tuple[str, ...] = ()
+    tokens: str | None = None  # the option holding the tokens it trains on once; None: `main_epochs` epochs
+    against: str | None = None  # the row it is an ablation of, at equal tokens
+
+
+ROWS: dict[str, Row] = {
+    "main": Row("the head: all the data, `main_epochs` epochs"),
+    "scale_small": Row("data scaling", tokens="small_tokens"),
+    "scale_mid": Row("data scaling", tokens="mid_tokens"),
+    "shared_only": Row(
+        "shared prompts only", store="shared_only", tokens="small_tokens", against="scale_small"
+    ),
+    "greedy_only": Row("greedy answers only", store="greedy_only", tokens="mid_tokens", against="scale_mid"),
+    "ttt7": Row(
+        "K = 7 TTT steps", overrides=("trainer.ttt_steps=7",), tokens="mid_tokens", against="scale_mid"
+    ),
+}
+
+
+@dataclass
+class Task:
+    """One command's worth of work: done when its output exists; `needs` names the tasks it waits for."""
+
+    name: str
+    done: Callable[[], bool]
+    run: Callable[[float | None], None]  # takes the deadline (time.time()), None: none
+    needs: tuple[str, ...] = ()
+
+
+class Scale:
+    """The recipe's folders and commands for one set of options."""
+
+    def __init__(self, opts: dict[str, str]):
+        self.opts = opts
+        self.out = (ROOT / opts["out"]).resolve()
+        self.gpu = opts["gpu"]
+        self.prompts = None if opts["eval_prompts"] == "all" else int(opts["eval_prompts"])
+
+    def store_dir(self, store: str) -> Path:
+        return self.out / "tokens" / store
+
+    def run_dir(self, row: str) -> Path:
+        return self.out / "rows" / row
+
+    def store_overrides(self, store: str) -> list[str]:
+        return [*STORES[store], f"extract.output_dir={self.store_dir(store)}"]
+
+    def row_overrides(self, name: str) -> list[str]:
+        """The row's data, its own overrides and its length (they win over `extra`)."""
+        row = ROWS[name]
+        steps = [] if row.tokens is None else [f"trainer.max_steps={self.steps(row.tokens)}"]
+        return [*self.store_overrides(row.store), *row.overrides, *steps]
+
+    def common(self, overrides: list[str]) -> list[str]:
+        return common_overrides(overrides, self.opts)
+
+    def steps(self, tokens_option: str) -> int:
+        """Optimizer steps in which the head sees the option's tokens once."""
+        return max(1, round(int(self.opts[tokens_option]) / global_batch_tokens(self.opts)))
+
+    def store_done(self, store: str) -> bool:
+        manifest = self.store_dir(store) / MANIFEST_FILE
+        return manifest.is_file() and json.loads(manifest.read_text()).get("status") == "complete"
+
+    def extract(self, store: str, deadline: float | None) -> None:
+        cmd = [sys.executable, "-u", "extract.py", *self.common(self.store_overrides(store))]
+        sh(cmd, self.out / "logs" / f"data-{store}.log", self.gpu, deadline)
+
+    def speculators_dir(self) -> Path:
+        return self.out / "rows" / SPECULATORS
+
+    def speculators_evaluated(self) -> bool:
+        results = RunDir(self.run_dir(self.opts["speculators_row"])).results_file
+        if not results.is_file():
+            return False
+        sets = json.loads(results.read_text())["sets"].values()
+        return bool(sets) and all("baseline" in s["results"] for s in sets)
+
+    def tasks(self, rows: list[str]) -> list[Task]:
+        """Every command of the chosen rows, most important first."""
+        tasks: list[Task] = []
+        for name in rows:
+            if name == SPECULATORS:
+                tasks += self.speculators_tasks()
+                continue
+            store, run = ROWS[name].store, self.run_dir(name)
+            if not any(t.name == f"data:{store}" for t in tasks):
+                tasks.append(
+                    Task(
+                        f"data:{store}",
+                        lambda s=store: self.store_done(s),
+                        lambda d, s=store: self.extract(s, d),
+                    )
+                )
+            common = self.common(self.row_overrides(name))
+            epochs = int(self.opts["main_epochs"]) if ROWS[name].tokens is None else 1
+            tasks.append(
+                Task(
+                    f"train:{name}",
+                    RunDir(run).report_file.is_file,
+                    lambda d, r=run, c=common, e=epochs: train(r, c, e, self.gpu, d),
+                    (f"data:{store}",),
+                )  # fmt: skip
+            )
+            tasks.append(
+                Task(
+                    f"eval:{name}",
+                    RunDir(run).results_file.is_file,
+                    lambda d, r=run, c=common: evaluate(r, c, self.prompts, self.gpu, self.opts, d),
+                    (f"train:{name}",),
+                )  # fmt: skip
+            )
+        return tasks
+
+    def speculators_tasks(self) -> list[Task]:
+        """Train the speculators head on the data and steps of `speculators_row`, then evaluate it beside that
+        row's head, on the same prompts in the same run (eval.baseline_draft)."""
+        beside = self.opts["speculators_row"]
+        save, run = self.speculators_dir(), self.run_dir(beside)
+        row = ROWS[beside]
+        epochs = int(self.opts["main_epochs"]) if row.tokens is None else 1
+
+        def train_it(deadline: float | None) -> None:
+            result = train_speculators(
+                save, self.row_overrides(beside), epochs, self.gpu, self.opts, deadline
+            )
+            if "failed" in result:
+                raise subprocess.CalledProcessError(1, f"side_by_side_speculators.py ({result['failed']})")
+
+        def evaluate_it(deadline: float | None) -> None:
+            baseline = (f"eval.baseline_draft={save / 'speculators'}",)
+            evaluate(run, self.common(self.row_overrides(beside)), self.prompts, self.gpu, self.opts, deadline,
+                     baseline)  # fmt: skip
+
+        return [
+            Task(
+                f"train:{SPECULATORS}",
+                (save / "speculators" / "config.json").is_file,
+                train_it,
+                (f"data:{row.store}",),
+            ),  # fmt: skip
+            Task(
+                f"eval:{SPECULATORS}",
+                self.speculators_evaluated,
+                evaluate_it,
+                (f"train:{SPECULATORS}", f"train:{beside}"),
+            ),
+        ]
+
+
+def collect(scale: Scale, rows: list[str]) -> dict:
+    """What exists so far: each store's totals, each row's training report and evaluation (per set and proposer)."""
+    gbt = global_batch_tokens(scale.opts)
+    stores: dict[str, dict | None] = {}
+    for store in dict.fromkeys(ROWS[r].store for r in rows if r in ROWS):
+        manifest = scale.store_dir(store) / MANIFEST_FILE
+        stores[store] = json.loads(manifest.read_text()).get("totals") if scale.store_done(store) else None
+    record: dict[str, dict] = {}
+    for name in (r for r in rows if r in ROWS):
+        row, run = ROWS[name], RunDir(scale.run_dir(name))
+        entry = {"question": row.question, "store": row.store, "overrides": list(row.overrides),
+                 "against": row.against}  # fmt: skip
+        if run.report_file.is_file():
+            report = json.loads(run.report_file.read_text())
+            entry |= {"steps": report["steps"], "tokens_seen": report["steps"] * gbt, "train_s": report["seconds"],
+                      "tau_sim": report["tau_sim"]}  # fmt: skip
+        if run.results_file.is_file():
+            entry["sets"] = json.loads(run.results_file.read_text())["sets"]
+        record[name] = entry
+    if SPECULATORS in rows:
+        beside = scale.opts["speculators_row"]
+        entry = {"question": f"the speculators package's head, {beside}'s data and steps", "store": ROWS[beside].store,
+                 "overrides": ["trainer.lm_head_trainable=false"], "against": beside}  # fmt: skip
+        if scale.speculators_evaluated():
+            # Evaluated beside `beside`'s head: its results are that run's "baseline" proposer.
+            entry["sets"] = {
+                name: {**s, "results": {"eaglet": s["results"]["baseline"], "ngram": s["results"]["ngram"]}}
+                for name, s in record[beside]["sets"].items()
+            }
+            entry |= {k: record[beside][k] for k in ("steps", "tokens_seen") if k in record[beside]}
+        record[SPECULATORS] = entry
+    return {"stores": stores, "rows": record}
+
+
+def global_batch_tokens(opts: dict[str, str]) -> int:
+    """trainer.global_batch_tokens as the commands see it: `extra`'s if it sets one, else the experiment's."""
+    for arg in reversed(opts["extra"].split()):
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "trainer.global_batch_tokens":
+            return int(value)
+    experiment = OmegaConf.load(CONF_DIR / "experiments" / f"{opts['experiment']}.yaml")
+    return int(experiment.trainer.global_batch_tokens)
+
+
+def run_tasks(tasks: list[Task], deadline: float | None, min_start_s: float) -> dict[str, str]:
+    """Each task in order, unless done or waiting for one not done; none starts within min_start_s of the deadline,
+    and the one running at the deadline is stopped. Each task's status."""
+    status: dict[str, str] = {}
+    stopped = False
+    for task in tasks:
+        if task.done():
+            status[task.name] = "done"
+            continue
+        waiting = [n for n in task.needs if status.get(n, "done") not in ("done", "done now")]
+        if waiting:
+            status[task.name] = f"left: waits for {', '.join(waiting)}"
+        elif stopped or (deadline is not None and deadline - time.time() < min_start_s):
+            stopped = True
+            status[task.name] = "left: not started before the deadline"
+        else:
+            start = time.time()
+            print(f"{task.name} ...", flush=True)
+            try:
+                task.run(deadline)
+                status[task.name] = "done now"
+            except DeadlineReached:
+                stopped = True
+                status[task.name] = "left: stopped at the deadline, continues where it was"
+            except subprocess.CalledProcessError as err:
+                status[task.name] = f"failed: exit {err.returncode}; see its log under <out>/"
+            print(f"{task.name}: {status[task.name]} ({time.time() - start:.0f} s)", flush=True)
+    return status
+
+
+def main(argv: list[str]) -> int:
+    opts = parse_options(argv, OPTS)
+    rows = opts["rows"].split(",") if opts["rows"] else [*ROWS, SPECULATORS]
+    unknown = [r for r in rows if r not in ROWS and r != SPECULATORS]
+    if unknown or opts["speculators_row"] not in ROWS:
+        raise SystemExit(
+            f"unknown row {(unknown or [opts['speculators_row']])[0]!r}; rows: {', '.join([*ROWS, SPECULATORS])}"
+        )
+    if SPECULATORS in rows and opts["speculators_row"] not in rows:  # evaluated beside that row's head
+        rows.insert(rows.index(SPECULATORS), opts["speculators_row"])
+    scale = Scale(opts)
+    start = time.time()
+    deadline = start + float(opts["deadline_s"]) if float(opts["deadline_s"]) > 0 else None
+    status = run_tasks(scale.tasks(rows), deadline, float(opts["min_start_s"]))
+    record = collect(scale, rows)
+    (scale.out / "scale.json").write_text(json.dumps({**record, "status": status}, indent=1))
+    (scale.out / "scale.md").write_text(format_report(record, status))
+    left = [name for name, s in status.items() if not s.startswith("done")]
+    print(f"\n{time.time() - start:.0f} s; report: {scale.out / 'scale.md'}")
+    for name, s in status.items():
+        print(f"  {name}: {s}")
+    if left:
+        print(f"left: {', '.join(left)}; run the same command again to continue", flush=True)
+    else:
+        print("all done", flush=True)
+    return 1 if any(s.startswith("failed") for s in status.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

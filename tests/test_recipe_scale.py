@@ -1,0 +1,162 @@
+"""recipes/smollm2_scale.py: every row end to end on CPU at toy size, and invocations stopped by their deadline."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eaglet.config import REPO_ROOT
+
+RECIPES = REPO_ROOT / "recipes"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    """The recipe's module (it imports its sibling modules from recipes/, as `python recipes/...` does)."""
+    sys.path.insert(0, str(RECIPES))
+    try:
+        yield importlib.import_module("smollm2_scale")
+    finally:
+        sys.path.remove(str(RECIPES))
+
+
+def driver(out: Path, cache: Path, *options: str) -> subprocess.CompletedProcess:
+    tiny = (
+        f"hardware=cpu dataset=oasst_en100 dataset.max_records_per_file=6 extract.max_length=256 "
+        f"extract.self_prompt.num_prompts=3 extract.self_prompt.batch_size=8 extract.self_prompt.max_prompt_tokens=48 "
+        f"extract.regenerate.max_new_tokens=16 extract.regenerate.batch_size=8 extract.regenerate.import_from=null "
+        f"extract.regenerate.sampled_conversations=4 paths.data_dir={out}/data paths.cache_dir={cache} "
+        "hardware.tokens_per_device=512 trainer.global_batch_tokens=512 trainer.val_fraction=0.3 "
+        "eval.max_new_tokens=8 eval.sets=[math] draft.vocab_size=64"
+    )
+    cmd = [sys.executable, str(RECIPES / "smollm2_scale.py"), f"out={out}", "eval_device=cpu", "eval_prompts=1",
+           "small_tokens=1024", "mid_tokens=1536", f"extra={tiny}", *options]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def commands_run(out: Path) -> int:
+    """Commands the recipe started so far: each `$ ...` line of its logs is one."""
+    logs = [p for p in out.rglob("*") if p.suffix in (".txt", ".log") and p.is_file()]
+    return sum(line.startswith("$ ") for log in logs for line in log.read_text().splitlines())
+
+
+@pytest.mark.e2e
+def test_every_row_runs_on_cpu_and_a_stopped_invocation_continues(tmp_path: Path, model_cache: Path) -> None:
+    out = tmp_path / "scale"
+    # Stopped by its deadline during the first command: exits 0, says what is left and how to continue.
+    stopped = driver(out, model_cache, "deadline_s=1", "min_start_s=0")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "data:main: left: stopped at the deadline" in stopped.stdout
+    assert "run the same command again to continue" in stopped.stdout
+    assert "## Not run (yet)" in (out / "scale.md").read_text()
+
+    # The rows of each kind: the head, a data-scaling row, an ablation on its own store, the speculators column.
+    rows = "rows=main,scale_small,shared_only,speculators"
+    done = driver(out, model_cache, rows, "speculators_row=scale_small")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all done" in done.stdout
+    record = json.loads((out / "scale.json").read_text())
+    assert set(record["rows"]) == {"main", "scale_small", "shared_only", "speculators"}
+    for name, row in record["rows"].items():  # each evaluated against the real target beside n-gram lookup
+        results = row["sets"]["math"]["results"]
+        assert results["eaglet"]["tau"] >= 1.0 and results["ngram"]["tau"] >= 1.0, name
+    steps = {name: row["steps"] for name, row in record["rows"].items()}
+    assert steps == {"main": steps["main"], "scale_small": 2, "shared_only": 2, "speculators": 2}
+    stores = record[
+        "stores"
+    ]  # shared_only: the self-prompted conversations left out, their sampled answers too
+    assert stores["shared_only"]["sequences"] < stores["main"]["sequences"]
+    report = (out / "scale.md").read_text()
+    for name in record["rows"]:
+        assert f"| {name} |" in report
+    assert "| n-gram lookup |" in report and "main vs n-gram lookup, maths" in report
+    assert (
+        "scale_small vs the speculators head (same data and steps)" in report and "Every row ran." in report
+    )
+
+    # Nothing finished is redone: a third invocation starts no command.
+    before = commands_run(out)
+    again = driver(out, model_cache, rows, "speculators_row=scale_small")
+    assert again.returncode == 0 and "all done" in again.stdout
+    assert commands_run(out) == before
+
+
+def test_tasks_after_the_deadline_are_left_and_done_ones_skipped(recipe) -> None:
+    from smollm2_gpu import DeadlineReached
+
+    ran: list[str] = []
+
+    def task(name: str, done: bool = False, stops: bool = False, needs: tuple[str, ...] = ()):
+        def run(deadline: float | None) -> None:
+            ran.append(name)
+            if stops:
+                raise DeadlineReached(name)
+
+        return recipe.Task(name, lambda: done, run, needs)
+
+    tasks = [
+        task("data", done=True),
+        task("train", stops=True),
+        task("eval", needs=("train",)),
+        task("other"),
+    ]
+    status = recipe.run_tasks(tasks, deadline=time.time() + 600, min_start_s=0)
+    assert ran == ["train"]
+    assert status == {"data": "done", "train": "left: stopped at the deadline, continues where it was",
+                      "eval": "left: waits for train", "other": "left: not started before the deadline"}  # fmt: skip
+    # Too little time left to start anything.
+    ran.clear()
+    status = recipe.run_tasks([task("other")], deadline=time.time() + 10, min_start_s=60)
+    assert ran == [] and status == {"other": "left: not started before the deadline"}
+
+
+def test_a_command_running_at_the_deadline_is_stopped(recipe, tmp_path: Path) -> None:
+    from smollm2_gpu import DeadlineReached, sh
+
+    start = time.time()
+    with pytest.raises(DeadlineReached):
+        sh(["sleep", "60"], tmp_path / "log.txt", deadline=time.time() + 1)
+    assert time.time() - start < 30
+    assert "stopped at the recipe's deadline" in (tmp_path / "log.txt").read_text()
+
+
+def test_a_stopped_training_resumes_from_its_last_checkpoint(
+    recipe, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import smollm2_gpu
+
+    commands: list[list[str]] = []
+
+    def fake_sh(cmd: list[str], log: Path, gpu: str | None = None, deadline: float | None = None) -> None:
+        commands.append(cmd)
+        (run / "report.json").write_text(json.dumps({"steps": 3}))
+
+    monkeypatch.setattr(smollm2_gpu, "sh", fake_sh)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert smollm2_gpu.train(run, ["x=1"], 1, "0") == {"steps": 3}
+    assert f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}" in commands[0]
+    assert smollm2_gpu.train(run, ["x=1"], 1, "0") == {"steps": 3} and len(commands) == 1  # done: not rerun
+
+
+def test_rows_see_their_tokens_once(recipe) -> None:
+    opts = {**recipe.OPTS, "extra": "hardware=cpu trainer.global_batch_tokens=512", "small_tokens": "5000"}
+    scale = recipe.Scale(opts)
+    assert scale.steps("small_tokens") == 10
+    overrides = scale.row_overrides("shared_only")
+    assert "extract.self_prompt.num_prompts=0" in overrides and "trainer.max_steps=10" in overrides
+    assert f"extract.output_dir={scale.store_dir('shared_only')}" in overrides
+    # The experiment's own batch when `extra` sets none: 20M tokens at 32,768 a step.
+    assert recipe.Scale(recipe.OPTS).steps("mid_tokens") == 610
+    assert [t.name for t in scale.tasks(["main", "ttt7"])] == [
+        "data:main", "train:main", "eval:main", "train:ttt7", "eval:ttt7"
+    ]  # fmt: skip
