@@ -4,6 +4,7 @@ regeneration), the user turns it writes are scripted (a random model never ends 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from eaglet.errors import ConfigError
 from eaglet.extract.report import print_summary
 from eaglet.extract.stage import run_extraction
 
-SHARED = REPO_ROOT.parent / "shared" / "data"
+SHARED = Path(os.environ.get("EAGLET_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
 PROMPTS = [
     "explain how a rainbow forms in the sky after the rain stops",
     "write a haiku about autumn leaves falling on a quiet river",

@@ -280,6 +280,10 @@ def _load_path(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn
         raise ConfigError(f"could not load the target from model.path={path}: {e}") from e
 
 
+# Parameters above which a random stand-in is built on the GPU itself (its weights then differ from a CPU build).
+_BUILT_IN_PLACE = 1_000_000_000
+
+
 def _build_random(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     builders: dict[str, Callable[[ModelConfig, dict[str, Any]], PretrainedConfig]] = {
         "llama": lambda _, common: LlamaConfig(**common),
@@ -306,11 +310,13 @@ def _build_random(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     }
     hf_config = builders[cfg.architecture](cfg, common)
     # Fixed seed in a forked RNG: the same weights on every run, the caller's RNG untouched. Built on CPU
-    # (identical weights on every device), except on GPUs, where an 8B-parameter stand-in would take
-    # minutes and 32 GB of host memory in fp32: there it is built in place, in the target dtype.
+    # (identical weights on every device: a stand-in extracted on a CPU and trained online on a GPU is one
+    # model), except large ones on GPUs, where an 8B-parameter stand-in would take minutes and 32 GB of host
+    # memory in fp32: there it is built in place, in the target dtype.
+    dense_params = cfg.num_layers * (4 * cfg.hidden_size**2 + 3 * cfg.hidden_size * cfg.intermediate_size)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        if device.type == "cuda":
+        if device.type == "cuda" and dense_params + 2 * cfg.vocab_size * cfg.hidden_size > _BUILT_IN_PLACE:
             with torch.device(device):
                 return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         return AutoModelForCausalLM.from_config(hf_config).to(dtype=dtype)
