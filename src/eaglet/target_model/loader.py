@@ -319,7 +319,7 @@ def _build_random(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) ->
         if device.type == "cuda" and dense_params + 2 * cfg.vocab_size * cfg.hidden_size > _BUILT_IN_PLACE:
             with torch.device(device):
                 return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        return AutoModelForCausalLM.from_config(hf_config).to(dtype=dtype)
+        return AutoModelForCausalLM.from_config(hf_config).to(device=device, dtype=dtype)
 
 
 def _deepseek_v3_config(cfg: ModelConfig, common: dict[str, Any]) -> DeepseekV3Config:
