@@ -21,7 +21,6 @@ not append it to experiments/BENCHMARKS.md).
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_common import machine  # noqa: E402
 from hydra import compose, initialize_config_dir
 
 import eaglet.config
@@ -54,12 +54,6 @@ DEFAULTS: dict[str, int | str | None] = {
     "disk_bytes": 1 << 30,
     "record": 1,
 }
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
 def make_samples(vocab: int, opts: dict) -> list[TokenizedConversation]:

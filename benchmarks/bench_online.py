@@ -21,7 +21,6 @@ bench.loader_threads, bench.seed, bench.record (0: print the row only). Other ar
 
 from __future__ import annotations
 
-import platform
 import shutil
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_common import machine, parse_bench_options  # noqa: E402
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
@@ -71,23 +71,7 @@ DEFAULTS: dict[str, int] = {
 
 def parse(argv: list[str]) -> tuple[dict[str, int], list[str]]:
     """bench.* options (integers) and the Hydra overrides."""
-    opts, overrides = dict(DEFAULTS), []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key.startswith("bench."):
-            name = key.removeprefix("bench.")
-            if name not in DEFAULTS:
-                raise SystemExit(f"{key}: unknown; the bench options are {', '.join(sorted(DEFAULTS))}")
-            opts[name] = int(value)
-        else:
-            overrides.append(arg)
-    return opts, overrides
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"
+    return parse_bench_options(argv, DEFAULTS)
 
 
 def make_samples(vocab: int, tokens: int, opts: dict[str, int]) -> list[TokenizedConversation]:

@@ -22,7 +22,6 @@ and counts the near-ties (within two bf16 steps of each other). Rows are appende
 from __future__ import annotations
 
 import math
-import platform
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from bench_common import machine  # noqa: E402
 from hydra import compose, initialize_config_dir
 from transformers import DynamicCache
 
@@ -68,12 +68,6 @@ DEFAULTS = {
 }
 SOURCES = ("sharegpt_v3_head.jsonl", "oasst_en100.jsonl", "oasst_prompt_lottery.jsonl", "alpaca_en_demo.jsonl",
            "gpteacher_codegen.jsonl", "self_instruct_seed.jsonl", "gsm8k_train.jsonl")  # fmt: skip
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
 def sync() -> None:

@@ -10,13 +10,12 @@ few prompts are printed.
 
 from __future__ import annotations
 
-import platform
 import sys
 import tempfile
 from datetime import date
 from pathlib import Path
 
-import torch
+from bench_common import machine  # noqa: E402
 from hydra import compose, initialize_config_dir
 
 import eaglet.config
@@ -27,12 +26,6 @@ from eaglet.target_model import load_target
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 DEFAULTS = {"prompts": 64, "record": 1}
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
 def main(argv: list[str]) -> None:

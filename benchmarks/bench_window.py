@@ -52,20 +52,11 @@ BASE = [
     "trainer.val_every_n_steps=50",
     "trainer.checkpoint_every_n_steps=50",
 ]
+from bench_common import parse_bench_options  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[dict[str, int], list[str]]:
-    opts, overrides = dict(DEFAULTS), []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key.startswith("bench."):
-            name = key.removeprefix("bench.")
-            if name not in DEFAULTS:
-                raise SystemExit(f"{key}: unknown; the bench options are {', '.join(sorted(DEFAULTS))}")
-            opts[name] = int(value)
-        else:
-            overrides.append(arg)
-    return opts, overrides
+    return parse_bench_options(argv, DEFAULTS)
 
 
 def machine() -> str:
