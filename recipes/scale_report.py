@@ -3,9 +3,9 @@ position, the lossless count, the ratios against the goal and what was not run, 
 
 from __future__ import annotations
 
-SET_NAMES = {"mt_bench_like": "chat", "code": "code", "math": "maths"}
+SET_NAMES = {"mt_bench_like": "chat", "alpaca": "instructions (Alpaca)", "code": "code", "math": "maths"}
 # τ at K = 4: at least these multiples of n-gram lookup's, per set; and of the speculators head's.
-GOAL_VS_NGRAM = {"mt_bench_like": 2.0, "code": 1.5, "math": 1.5}
+GOAL_VS_NGRAM = {"mt_bench_like": 2.0, "alpaca": 2.0, "code": 1.5, "math": 1.5}
 GOAL_VS_SPECULATORS = 1.1
 SPECULATORS = "speculators"
 
@@ -73,6 +73,12 @@ def _taus(rows: dict[str, dict], sets: list[str]) -> str:
     note = (
         f"\nPrompts per set: {prompts}. Lossless: prompts whose speculative output equals greedy decoding's."
     )
+    if budget := rows.get("main", {}).get("budget"):
+        note += (
+            f"\nUnder the budget the main head was given {budget['seconds']:.0f} s of training when it started: "
+            f"~{budget['steps']:,} steps, {budget['epochs']:g} epochs"
+            + (" (whole epochs fit)." if budget["whole_epochs"] else " (at the planned rate).")
+        )
     return "\n".join(lines) + (note if prompts else "") + "\n"
 
 

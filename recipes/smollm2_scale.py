@@ -25,6 +25,11 @@ main ~7.5 min an epoch + ~1-2 min of evaluation; scale_small ~2-3 min, scale_mid
 reuses the answers: ~1 min to tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads
 trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of start-up.
 
+`budget_s=B`: the whole recipe, over every invocation, ends within B seconds of its first start (<out>/budget.json
+holds that start): the main head trains for as many steps as the time left then allows (`train_tokens_per_s`, less
+`eval_reserve_s` for its last validation and its evaluation), at most `main_epochs` epochs, with its learning-rate
+schedule spanning those steps and trainer.max_time_s as the safety net; rows not started in time are left.
+
 `deadline_s=S`: no command starts with less than `min_start_s` seconds left of the S this invocation may run, and
 one still running at S is stopped (every stage resumes: extraction and answers where they were, training from its
 last.ckpt); the invocation then writes the report, says what is left and exits 0. Reissuing the same command
@@ -61,9 +66,12 @@ from eaglet.shards.manifest import MANIFEST_FILE
 OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
         "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "gpu": "0",
-        "extra": ""}  # fmt: skip
+        "extra": "", "budget_s": "0", "train_tokens_per_s": "150000", "eval_reserve_s": "300"}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
+# `train_tokens_per_s`: online training's rate on one H200 at the experiment's settings (153K measured,
+# experiments/BENCHMARKS.md), with start-up; `eval_reserve_s`: the head's last validation, export and evaluation.
+BUDGET_FILE = "budget.json"
 
 # Token stores: what each changes against the experiment's data (under <out>/tokens/<name>). Answers are reused
 # from data/regenerated/ and data/self_prompted/, so only the main store generates.
@@ -117,6 +125,45 @@ class Scale:
         self.out = (ROOT / opts["out"]).resolve()
         self.gpu = opts["gpu"]
         self.prompts = None if opts["eval_prompts"] == "all" else int(opts["eval_prompts"])
+
+    def budget_end(self) -> float | None:
+        """time.time() by which the whole recipe ends under `budget_s` (from its first start), None: no budget."""
+        budget = float(self.opts["budget_s"])
+        if budget <= 0:
+            return None
+        record = self.out / BUDGET_FILE
+        if not record.is_file():
+            self.out.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({"started": time.time(), "budget_s": budget}))
+        return json.loads(record.read_text())["started"] + budget
+
+    def budgeted_length(self, run: Path, store: str) -> list[str]:
+        """The main head's length under the budget, fixed when it first starts (<run>/budget.json) so that a resumed
+        run keeps its schedule: as many steps as the time left allows, at most `main_epochs` epochs."""
+        end = self.budget_end()
+        if end is None:
+            return []
+        record = run / BUDGET_FILE
+        if not record.is_file():
+            seconds = end - time.time() - float(self.opts["eval_reserve_s"])
+            if seconds <= 0:
+                raise DeadlineReached("no time left in the budget to train the head")
+            gbt = global_batch_tokens(self.opts)
+            steps = int(seconds * float(self.opts["train_tokens_per_s"]) / gbt)
+            manifest = json.loads((self.store_dir(store) / MANIFEST_FILE).read_text())
+            epoch_steps = manifest["totals"]["tokens"] / gbt
+            epochs = int(self.opts["main_epochs"])
+            if steps >= epochs * epoch_steps:  # the epochs fit: they decide
+                plan = {"seconds": round(seconds, 1), "steps": round(epochs * epoch_steps), "epochs": epochs,
+                        "whole_epochs": True}  # fmt: skip
+            else:
+                plan = {"seconds": round(seconds, 1), "steps": max(1, steps), "epochs": round(steps / epoch_steps, 2),
+                        "whole_epochs": False}  # fmt: skip
+            run.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(plan))
+        plan = json.loads(record.read_text())
+        steps = [] if plan["whole_epochs"] else [f"trainer.max_steps={plan['steps']}"]
+        return [*steps, f"trainer.max_time_s={plan['seconds']}"]
 
     def store_dir(self, store: str) -> Path:
         return self.out / "tokens" / store
@@ -176,13 +223,13 @@ class Scale:
                 )
             common = self.common(self.row_overrides(name))
             epochs = int(self.opts["main_epochs"]) if ROWS[name].tokens is None else 1
+            budgeted = name == "main"
+
+            def train_row(deadline: float | None, r=run, c=common, e=epochs, b=budgeted, s=store) -> None:
+                train(r, [*c, *(self.budgeted_length(r, s) if b else [])], e, self.gpu, deadline)
+
             tasks.append(
-                Task(
-                    f"train:{name}",
-                    RunDir(run).report_file.is_file,
-                    lambda d, r=run, c=common, e=epochs: train(r, c, e, self.gpu, d),
-                    (f"data:{store}",),
-                )  # fmt: skip
+                Task(f"train:{name}", RunDir(run).report_file.is_file, train_row, (f"data:{store}",))
             )
             tasks.append(
                 Task(
@@ -248,6 +295,8 @@ def collect(scale: Scale, rows: list[str]) -> dict:
                       "tau_sim": report["tau_sim"]}  # fmt: skip
         if run.results_file.is_file():
             entry["sets"] = json.loads(run.results_file.read_text())["sets"]
+        if (run.path / BUDGET_FILE).is_file():
+            entry["budget"] = json.loads((run.path / BUDGET_FILE).read_text())
         record[name] = entry
     if SPECULATORS in rows:
         beside = scale.opts["speculators_row"]
@@ -316,7 +365,9 @@ def main(argv: list[str]) -> int:
         rows.insert(rows.index(SPECULATORS), opts["speculators_row"])
     scale = Scale(opts)
     start = time.time()
-    deadline = start + float(opts["deadline_s"]) if float(opts["deadline_s"]) > 0 else None
+    ends = [start + float(opts["deadline_s"])] if float(opts["deadline_s"]) > 0 else []
+    ends += [end] if (end := scale.budget_end()) is not None else []
+    deadline = min(ends, default=None)
     status = run_tasks(scale.tasks(rows), deadline, float(opts["min_start_s"]))
     record = collect(scale, rows)
     (scale.out / "scale.json").write_text(json.dumps({**record, "status": status}, indent=1))

@@ -16,6 +16,7 @@ from eaglet.data.templating import (
     chat_template_hash,
     resolve_chat_template,
     tokenize_conversation,
+    tokenize_conversations,
 )
 from eaglet.errors import ConfigError, DataError
 
@@ -431,3 +432,29 @@ def test_thinking_switch_of_a_regeneration_server_also_renders_the_shards():
     explicit = SimpleNamespace(chat_template_kwargs={"thinking": False})
     assert chat_template_variables(explicit, served)["thinking"] is False
     assert ModelConfig.__dataclass_fields__["chat_template_kwargs"].default_factory() == {}
+
+
+def test_worker_processes_tokenize_exactly_as_one_process(smollm2):
+    """Large sets are templated in worker processes: same samples, same order, None where no reply is."""
+    template = resolve_chat_template(smollm2, None)
+    no_reply = Conversation(id="no-reply", turns=(Turn("user", "Anyone there?"),), source="inline", line=2)
+    variants = [
+        Conversation(id=f"c{i}", turns=tuple(Turn(t.role, f"{t.content} ({i})") for t in CONVERSATION.turns),
+                     source="inline", line=i)
+        for i in range(600)
+    ]  # fmt: skip
+    conversations = [*variants[:300], no_reply, *variants[300:]]  # more than one task per worker
+    one = list(
+        tokenize_conversations(smollm2, conversations, max_length=64, chat_template=template, workers=1)
+    )
+    two = list(
+        tokenize_conversations(smollm2, conversations, max_length=64, chat_template=template, workers=2)
+    )
+    assert one[300] is None and two[300] is None
+    assert len(one) == len(two) == len(conversations)
+    for a, b in zip(one, two, strict=True):
+        if a is not None:
+            assert (a.id, a.truncated) == (b.id, b.truncated)
+            np.testing.assert_array_equal(a.input_ids, b.input_ids)
+            np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+    assert {a.truncated for a in one if a is not None} == {True}  # max_length applies in the workers too

@@ -160,3 +160,39 @@ def test_rows_see_their_tokens_once(recipe) -> None:
     assert [t.name for t in scale.tasks(["main", "ttt7"])] == [
         "data:main", "train:main", "eval:main", "train:ttt7", "eval:ttt7"
     ]  # fmt: skip
+
+
+def test_the_budget_sets_the_heads_length_once_and_bounds_every_invocation(recipe, tmp_path: Path) -> None:
+    from smollm2_gpu import DeadlineReached
+
+    def scale(**opts: str):
+        return recipe.Scale({**recipe.OPTS, "out": str(tmp_path / "scale"), "extra": "trainer.global_batch_tokens=1000",
+                             "train_tokens_per_s": "1000", "eval_reserve_s": "100", **opts})  # fmt: skip
+
+    budgeted = scale(budget_s="400")
+    end = budgeted.budget_end()
+    assert end == pytest.approx(time.time() + 400, abs=5)
+    assert scale(budget_s="400").budget_end() == end  # counted from the first start, not from each invocation
+    store = budgeted.store_dir("main")
+    store.mkdir(parents=True)
+    (store / recipe.MANIFEST_FILE).write_text(
+        json.dumps({"totals": {"tokens": 1_000_000}})
+    )  # 1000 steps an epoch
+    run = budgeted.run_dir("main")
+    # ~300 s left after the reserve, at one step a second: ~300 steps, the schedule spanning them.
+    first = budgeted.budgeted_length(run, "main")
+    steps = int(first[0].removeprefix("trainer.max_steps="))
+    assert 290 <= steps <= 300 and first[1].startswith("trainer.max_time_s=")
+    assert budgeted.budgeted_length(run, "main") == first  # a resumed run keeps its schedule
+    # When whole epochs fit, they decide (trainer.max_epochs), the time limit stays as the safety net.
+    roomy = scale(budget_s="5000", out=str(tmp_path / "roomy"))
+    roomy.store_dir("main").mkdir(parents=True)
+    (roomy.store_dir("main") / recipe.MANIFEST_FILE).write_text(json.dumps({"totals": {"tokens": 1_000_000}}))
+    assert [o.split("=")[0] for o in roomy.budgeted_length(roomy.run_dir("main"), "main")] == [
+        "trainer.max_time_s"
+    ]
+    # No time left for the head: it is left, not started.
+    late = scale(budget_s="50", out=str(tmp_path / "late"))
+    with pytest.raises(DeadlineReached):
+        late.budgeted_length(late.run_dir("main"), "main")
+    assert scale().budget_end() is None and scale().budgeted_length(run, "main") == []

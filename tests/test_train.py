@@ -101,6 +101,16 @@ def test_fit_writes_checkpoints_metrics_report_and_export(compose, shards: Path,
     assert ckpt["hyper_parameters"]["ttt_steps"] == 3
 
 
+def test_a_time_limit_ends_training_as_if_done(compose, shards: Path, tmp_path: Path) -> None:
+    """trainer.max_time_s stops before max_steps, still with the last checkpoint, the report and the head."""
+    run_dir = tmp_path / "run"
+    summary = run_training(compose(*train_overrides(shards, tmp_path, "trainer.max_time_s=0.001")), run_dir)
+    assert summary.steps < 6
+    assert json.loads((run_dir / "report.json").read_text())["steps"] == summary.steps
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert set(load_file(run_dir / "draft" / "model.safetensors")) == CONTRACT
+
+
 @pytest.mark.parametrize(
     ("extra", "error", "match"),
     [

@@ -139,6 +139,7 @@ def check_trainer(tr: TrainerConfig) -> None:
             f"trainer.max_steps must be -1 (trainer.max_epochs decides) or >= 1, got {tr.max_steps}"
         )
     positive("trainer", {"lr": tr.lr}, hint=" (the peak learning rate, e.g. trainer.lr=3e-4)")
+    positive("trainer", {"max_time_s": tr.max_time_s}, hint=" (seconds of training; null = no limit)")
     positive("trainer", {"step_loss_decay": tr.step_loss_decay})
     at_least("trainer", {"weight_decay": tr.weight_decay, "feature_noise_std": tr.feature_noise_std}, 0)
     at_least("trainer", {"grad_clip": tr.grad_clip}, 0, hint=" (0 = no clipping)")
@@ -192,6 +193,7 @@ def check_extract(ext: ExtractConfig) -> None:
         "batch_tokens": ext.batch_tokens,
         "shard_tokens": ext.shard_tokens,
         "max_conversations": ext.max_conversations,
+        "tokenize_workers": ext.tokenize_workers,
     }
     at_least("extract", sizes, 1)
     sp = ext.self_prompt

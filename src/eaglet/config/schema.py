@@ -304,6 +304,9 @@ class ExtractConfig:
     strict: bool = False
     # Keep at most this many conversations in total after loading; null = all.
     max_conversations: int | None = None
+    # Processes that chat-template and tokenize (Python work, ~0.5M tokens/s each); null = one per core (up to
+    # 16) from 4096 conversations, else 1. The samples are identical whatever the number.
+    tokenize_workers: int | None = None
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     self_prompt: SelfPromptConfig = field(default_factory=SelfPromptConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -321,6 +324,10 @@ class TrainerConfig:
     grad_clip: float = 1.0
     max_epochs: int = 1
     max_steps: int = -1
+    # Seconds of training (counted across resumes) after which it ends as if done: last checkpoint, final
+    # validation, report, draft folder. A time budget's safety net: the LR schedule still spans max_steps /
+    # max_epochs, so set those to what the budget should reach. null = no limit.
+    max_time_s: float | None = None
     # Tokens per optimizer step, summed over devices and accumulation; the same on every hardware.
     global_batch_tokens: int = 8192
     val_fraction: float = 0.05

@@ -48,7 +48,7 @@ from eaglet.data.templating import (
     chat_template_hash,
     chat_template_variables,
     resolve_chat_template,
-    tokenize_conversation,
+    tokenize_conversations,
 )
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.budget import DiskBudget
@@ -225,7 +225,12 @@ def prepare_samples(
             conversations = conversations + sampled
             regenerated = regenerated.merged(stats)
     tokenized, kept, no_masked_token = _tokenize(
-        conversations, tokenizer, template, max_length=job.extract.max_length, dataset=job.dataset
+        conversations,
+        tokenizer,
+        template,
+        max_length=job.extract.max_length,
+        dataset=job.dataset,
+        workers=job.extract.tokenize_workers,
     )
     return Samples(tokenized, kept, no_assistant + no_masked_token, regenerated, follow_ups)
 
@@ -631,15 +636,16 @@ def _tokenize(
     *,
     max_length: int,
     dataset: DatasetConfig,
+    workers: int | None = None,
 ) -> tuple[list[TokenizedConversation], list[Conversation], int]:
     """Samples with at least one loss-masked token, their conversations, and how many had none."""
     samples, kept, skipped = [], [], 0
-    for conv in tqdm(conversations, desc="tokenize", unit="conv", leave=False):
-        if not conv.has_assistant():  # e.g. regeneration found no room
-            skipped += 1
-            continue
-        sample = tokenize_conversation(tokenizer, conv, max_length=max_length, chat_template=template)
-        if sample.num_masked == 0:
+    tokenized = tokenize_conversations(
+        tokenizer, conversations, max_length=max_length, chat_template=template, workers=workers
+    )
+    progress = tqdm(tokenized, total=len(conversations), desc="tokenize", unit="conv", leave=False)
+    for conv, sample in zip(conversations, progress, strict=True):
+        if sample is None or sample.num_masked == 0:  # no assistant turn (e.g. regeneration found no room)
             skipped += 1
             continue
         samples.append(sample)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -268,6 +269,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             strategy=build_strategy(plan.strategy, plan.world_size),
             max_epochs=1 if window else tr.max_epochs if tr.max_steps <= 0 else -1,
             max_steps=-1 if window else total_steps,
+            max_time=None if tr.max_time_s is None else timedelta(seconds=tr.max_time_s),
             accumulate_grad_batches=plan.accumulate_grad_batches,
             gradient_clip_val=tr.grad_clip,
             val_check_interval=val_interval,
