@@ -40,6 +40,9 @@ def data_overrides(out: Path, *extra: str) -> list[str]:
         "dataset.max_records_per_file=30",
         "extract.regenerate.enabled=false",
         f"extract.output_dir={out}",
+        # The online target runs where training does (hardware=cpu here): extract there too, or on a GPU machine
+        # the stores would hold a bfloat16 target's features (model.dtype=auto) against a float32 one online.
+        "extract.device=cpu",
         "extract.max_length=256",
         "extract.shard_tokens=2048",  # several shards
         "draft.vocab_size=256",
