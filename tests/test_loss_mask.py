@@ -458,3 +458,24 @@ def test_worker_processes_tokenize_exactly_as_one_process(smollm2):
             np.testing.assert_array_equal(a.input_ids, b.input_ids)
             np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
     assert {a.truncated for a in one if a is not None} == {True}  # max_length applies in the workers too
+
+
+class DiesWhenUnpickled:
+    """Stands for a tokenizer whose worker process dies (as one killed for memory would)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os._exit, (3,))
+
+
+def test_a_tokenizing_worker_that_dies_fails_the_run_with_what_to_do() -> None:
+    from eaglet.errors import EagletError
+
+    conversations = [CONVERSATION] * 3
+    with pytest.raises(EagletError, match="died.*extract.tokenize_workers"):
+        list(
+            tokenize_conversations(
+                DiesWhenUnpickled(), conversations, max_length=8, chat_template="x", workers=2
+            )
+        )

@@ -32,6 +32,12 @@ def test_near_duplicates_exact_near_and_distinct() -> None:
     assert jaccard(shingles(LONG), shingles(far)) < 0.7 and seen.check(far) is None
     with pytest.raises(ValueError, match="threshold"):
         NearDuplicates(0)
+    # A text added right after another was checked is indexed under its own keys, not the checked one's.
+    other = "how do tides work and what role does the moon play in them"
+    assert seen.check("what is the capital of france and why is it famous") is None
+    seen.add(other)
+    assert seen.check(other.replace("work", "happen")) == "near"
+    assert seen.check("what is the capital of france and why is it famous") is None
 
 
 def test_the_prefix_is_the_template_up_to_the_user_text(compose) -> None:

@@ -49,6 +49,8 @@ class NearDuplicates:
         self._exact: set[str] = set()
         self._shingles: list[frozenset[str]] = []
         self._buckets: list[dict[bytes, list[int]]] = [{} for _ in range(_BANDS)]
+        # The shingles and band keys of the last text looked at: `add` after `check` of one text reuses them.
+        self._last: tuple[str, frozenset[str], list[bytes]] | None = None
 
     def __len__(self) -> int:
         return len(self._exact)
@@ -57,9 +59,9 @@ class NearDuplicates:
         """ "exact", "near", or None for a new text."""
         if text in self._exact:
             return "exact"
-        parts = shingles(text)
+        parts, keys = self._keys(text)
         candidates = set()
-        for band, key in zip(self._buckets, _bands(signature(parts)), strict=True):
+        for band, key in zip(self._buckets, keys, strict=True):
             candidates.update(band.get(key, ()))
         if any(jaccard(parts, self._shingles[i]) >= self.threshold for i in candidates):
             return "near"
@@ -69,12 +71,20 @@ class NearDuplicates:
         if text in self._exact:
             return
         self._exact.add(text)
-        parts = shingles(text)
+        parts, keys = self._keys(text)
         index = len(self._shingles)
         self._shingles.append(parts)
-        for band, key in zip(self._buckets, _bands(signature(parts)), strict=True):
+        for band, key in zip(self._buckets, keys, strict=True):
             band.setdefault(key, []).append(index)
+
+    def _keys(self, text: str) -> tuple[frozenset[str], list[bytes]]:
+        if self._last is None or self._last[0] != text:
+            parts = shingles(text)
+            self._last = (text, parts, _bands(signature(parts)))
+        return self._last[1], self._last[2]
 
 
 def _bands(sig: np.ndarray) -> list[bytes]:
-    return [chunk.tobytes() for chunk in np.split(sig, _BANDS)]
+    """The signature's _BANDS consecutive slices, as bytes (dictionary keys)."""
+    raw, width = sig.tobytes(), sig.nbytes // _BANDS
+    return [raw[i : i + width] for i in range(0, sig.nbytes, width)]

@@ -12,15 +12,20 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pickle
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import numpy as np
 
 from eaglet.data.conversations import Conversation, Turn
-from eaglet.errors import ConfigError, DataError
+from eaglet.errors import ConfigError, DataError, EagletError
 
 
 class ChatTemplateError(ConfigError):
@@ -162,11 +167,26 @@ def tokenize_conversations(
             yield _tokenize_one(tokenizer, conv, max_length, chat_template)
         return
     chunks = [conversations[i : i + _CHUNK] for i in range(0, len(conversations), _CHUNK)]
-    # spawn, not fork: the parent may hold a CUDA context and threads (loaders, progress bars).
+    # spawn, not fork: the parent may hold a CUDA context and threads (loaders, progress bars). The tokenizer goes
+    # through a file: passed to the pool (~1.5 MB pickled) it would fill the pipe each worker is started through,
+    # so that every start waited for the worker before to import its modules, one after another.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, _start_worker, (tokenizer, max_length, chat_template)) as pool:
-        for results in pool.imap(_tokenize_chunk, chunks):
-            yield from results
+    with tempfile.TemporaryDirectory(prefix="eaglet-tokenize-") as folder:
+        settings = Path(folder) / "settings.pkl"
+        settings.write_bytes(pickle.dumps((tokenizer, max_length, chat_template)))
+        # An executor, not a multiprocessing.Pool: a worker that dies (killed for memory) fails the run instead of
+        # leaving it waiting for the chunk it held.
+        pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(str(settings),))
+        try:
+            for results in pool.map(_tokenize_chunk, chunks):
+                yield from results
+        except BrokenProcessPool:
+            raise EagletError(
+                f"a process tokenizing the conversations ({workers} in all) died, most likely for lack of memory; "
+                "rerun with fewer: extract.tokenize_workers=N (1: none)"
+            ) from None
+        finally:
+            pool.shutdown(cancel_futures=True)
 
 
 def _tokenize_one(
@@ -177,7 +197,8 @@ def _tokenize_one(
     return tokenize_conversation(tokenizer, conv, max_length=max_length, chat_template=chat_template)
 
 
-def _start_worker(tokenizer: Any, max_length: int, chat_template: str) -> None:
+def _start_worker(settings: str) -> None:
+    tokenizer, max_length, chat_template = pickle.loads(Path(settings).read_bytes())
     _worker.update(tokenizer=tokenizer, max_length=max_length, chat_template=chat_template)
 
 
