@@ -20,10 +20,12 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 The report, <out>/scale.md (and scale.json), lists τ per set, per-position acceptance and the lossless count for
 every row, the n-gram baseline, the ratios against the goal, and what was not run.
 
-Estimated H200 time (from the measured rates in the experiment's header; not measured as a whole): data ~15 min,
-main ~7.5 min an epoch + ~1-2 min of evaluation; scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store
-reuses the answers: ~1 min to tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads
-trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of start-up.
+H200 time: the data measured 14 minutes (850 s, 2026-12-04), online training 136K tokens/s (~8.5 min an epoch of
+its 69M tokens); evaluation not measured on the GPU (~2-5 min estimated). Estimated for the other rows:
+scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to tokenize), greedy_only
+~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
+then an evaluation). Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
+on a bare machine) the data and the main head fit; the other rows take further sessions.
 
 `budget_s=B`: the whole recipe, over every invocation, ends within B seconds of its first start (<out>/budget.json
 holds that start): the main head trains for as many steps as the time left then allows (`train_tokens_per_s`, less
@@ -66,11 +68,11 @@ from eaglet.shards.manifest import MANIFEST_FILE
 OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
         "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "gpu": "0",
-        "extra": "", "budget_s": "0", "train_tokens_per_s": "150000", "eval_reserve_s": "300"}  # fmt: skip
+        "extra": "", "budget_s": "0", "train_tokens_per_s": "135000", "eval_reserve_s": "300"}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
-# `train_tokens_per_s`: online training's rate on one H200 at the experiment's settings (153K measured,
-# experiments/BENCHMARKS.md), with start-up; `eval_reserve_s`: the head's last validation, export and evaluation.
+# `train_tokens_per_s`: online training's rate on one H200 at the experiment's settings (136K measured in the
+# recipe, experiments/BENCHMARKS.md); `eval_reserve_s`: the head's last validation, export and evaluation.
 BUDGET_FILE = "budget.json"
 
 # Token stores: what each changes against the experiment's data (under <out>/tokens/<name>). Answers are reused
