@@ -89,33 +89,6 @@ def test_sampled_answers_follow_the_same_per_row_streams() -> None:
     assert reference != run(model, "reference"), "sampling must differ from greedy here"
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_requests_with_one_prompt_share_a_prefill_and_keep_their_own_streams(
-    temperature: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Self-prompting sends one prompt per category many times over: prefilled once, copied to each slot."""
-    from eaglet.generation.static_model import SlotDecoder
-
-    prefilled: list[int] = []
-    prefill = SlotDecoder.prefill
-
-    def counted(self, slots, ids, lengths):
-        prefilled.append(ids.shape[0])
-        return prefill(self, slots, ids, lengths)
-
-    monkeypatch.setattr(SlotDecoder, "prefill", counted)
-    model = tiny("llama", seed=2)
-    prompts = [[1, 2, 3, 4]] * 5 + [[5, 6, 7]] * 3 + [[42]]
-    kwargs = {"max_new_tokens": 8, "stop_ids": {3}, "pad_id": 0, "temperature": temperature, "top_p": 0.9,
-              "seeds": list(range(len(prompts)))}  # fmt: skip
-    want = decode_batch(model, prompts, engine="reference", **kwargs)
-    assert decode_batch(model, prompts, engine="engine", **kwargs) == want
-    assert sum(prefilled) == 3  # one row per distinct prompt
-    assert decode_batch(model, prompts, engine="engine", max_rows=4, **kwargs) == want  # refills share too
-    if temperature:
-        assert len({tuple(a) for a in want[:5]}) > 1, "each request must sample its own answer"
-
-
 def test_decode_batch_takes_the_engine_on_request() -> None:
     model = tiny("qwen3")
     prompts = [[1, 2, 3, 4], [8], [30, 31]]

@@ -251,28 +251,13 @@ class _Engine:
     def _prefill(self, slots: list[int], chunk: list[Request]) -> None:
         width = max(len(request.prompt) for request in chunk)
         pad = self.settings.pad_id
-        # Requests with the same prompt (self-prompting: one per category) share one prefill: its keys and values
-        # are copied to their slots, and each samples its first token from the same logits with its own seed.
-        distinct: dict[tuple[int, ...], int] = {}  # a prompt -> its row among those prefilled
-        firsts: list[int] = []  # the request each prefilled row comes from
-        row_of: list[int] = []  # each request's prefilled row
-        for i, request in enumerate(chunk):
-            row = distinct.setdefault(tuple(request.prompt), len(firsts))
-            if row == len(firsts):
-                firsts.append(i)
-            row_of.append(row)
         ids = torch.tensor(
-            [list(chunk[i].prompt) + [pad] * (width - len(chunk[i].prompt)) for i in firsts],
-            device=self.device,
+            [list(r.prompt) + [pad] * (width - len(r.prompt)) for r in chunk], device=self.device
         )
-        lengths = torch.tensor([len(chunk[i].prompt) for i in firsts], dtype=torch.long, device=self.device)
+        lengths = torch.tensor([len(r.prompt) for r in chunk], dtype=torch.long, device=self.device)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         seeds = torch.tensor([r.seed for r in chunk], dtype=torch.long, device=self.device)
-        logits = self.decoder.prefill(index[firsts], ids, lengths)
-        if len(firsts) < len(chunk):
-            rows = torch.tensor(row_of, dtype=torch.long, device=self.device)
-            self.decoder.copy_columns(index[firsts][rows], index, width)
-            logits, lengths = logits[rows], lengths[rows]
+        logits = self.decoder.prefill(index, ids, lengths)
         first = pick_next(
             logits,
             temperature=self.settings.temperature,

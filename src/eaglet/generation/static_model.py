@@ -128,12 +128,6 @@ class SlotDecoder:
         last = hidden[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
         return self.lm_head(self.norm(last))
 
-    def copy_columns(self, sources: torch.Tensor, slots: torch.Tensor, width: int) -> None:
-        """Columns 0..width-1 of each slot in `slots` [n] become those of its `sources` [n] slot, in every layer."""
-        for keys, values in zip(self.keys, self.values, strict=True):
-            keys[slots, :, :width] = keys[sources, :, :width]
-            values[slots, :, :width] = values[sources, :, :width]
-
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
         """The decoder layers over hidden [N, T, hidden] at `positions` [N, T], attention by `attend`."""
         cos, sin = self.rotary(hidden, positions)
