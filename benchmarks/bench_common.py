@@ -14,8 +14,11 @@ def machine() -> str:
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
-def parse_bench_options(argv: list[str], defaults: dict[str, int]) -> tuple[dict[str, int], list[str]]:
-    """bench.* options (integers, each one of `defaults`) and the Hydra overrides, from the command line."""
+def parse_bench_options(
+    argv: list[str], defaults: dict, paths: tuple[str, ...] = ()
+) -> tuple[dict, list[str]]:
+    """bench.* options (integers, each one of `defaults`; those named in `paths` kept as text) and the Hydra
+    overrides, from the command line."""
     opts, overrides = dict(defaults), []
     for arg in argv:
         key, _, value = arg.partition("=")
@@ -23,7 +26,7 @@ def parse_bench_options(argv: list[str], defaults: dict[str, int]) -> tuple[dict
             name = key.removeprefix("bench.")
             if name not in defaults:
                 raise SystemExit(f"{key}: unknown; the bench options are {', '.join(sorted(defaults))}")
-            opts[name] = int(value)
+            opts[name] = value if name in paths else int(value)
         else:
             overrides.append(arg)
     return opts, overrides

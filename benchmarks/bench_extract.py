@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_common import machine  # noqa: E402
+from bench_common import machine, parse_bench_options  # noqa: E402
 from hydra import compose, initialize_config_dir
 
 import eaglet.config
@@ -106,17 +106,7 @@ def disk_write_rate(folder: Path, size: int) -> float:
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
     """bench.* options (numbers, bench.out_dir a path) and the Hydra overrides."""
-    opts = dict(DEFAULTS)
-    overrides = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key.startswith("bench."):
-            name = key.removeprefix("bench.")
-            if name not in DEFAULTS:
-                raise SystemExit(f"{key}: unknown; the bench options are {', '.join(sorted(DEFAULTS))}")
-            opts[name] = value if name == "out_dir" else int(value)
-        else:
-            overrides.append(arg)
+    opts, overrides = parse_bench_options(argv, DEFAULTS, paths=("out_dir",))
     opts["shard_tokens"] = opts["shard_tokens"] or opts["batch_tokens"]
     return opts, overrides
 
