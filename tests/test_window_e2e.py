@@ -124,7 +124,12 @@ def side_by_side(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) ->
     """Training started first (it waits for extraction), then extraction; neither interrupted."""
     w = Watched(tmp_path_factory.mktemp("side_by_side"), model_cache)
     train = w.train("train")
-    time.sleep(1)
+    try:  # extraction starts once training is waiting for it, however long training takes to start
+        wait_until(lambda: "waiting for extraction to start" in w.log("train"), train, "wait for extraction")
+    except BaseException:
+        train.kill()
+        w.finish(train)
+        raise
     extract = w.extract("extract")
     w.finish(train, extract)
     assert extract.returncode == 0, w.log("extract")[-3000:]
