@@ -24,8 +24,10 @@ the previous pipeline (shards stored after the forward) and are not predicted.
 
 Regeneration: the compiled greedy row of "Decode step of the generation engine" (bench_decode_step.py) gives
 decode_bandwidth_efficiency (the bytes a step reads: the weights and every row's keys and values at its
-context); the latest "Regeneration and extraction at scale" data stage gives regeneration_loop_efficiency, what
-the whole loop reaches of those steps. Both are calibration rows; none is held out yet.
+context); the answers of the latest "The scale recipe's data and training on one H200" (recipes/smollm2_scale.py:
+230K self-prompted and shared conversations, 44.6M new tokens) give regeneration_loop_efficiency, what the whole
+loop reaches of those steps. The latest "Regeneration and extraction at scale" data stage (smollm2_gpu: 18K
+shared conversations, many of several turns) is held out.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
+import torch
 from bench_decode_step import SMOLLM2 as DECODE_SHAPE
 from bench_extract import make_samples
 from bench_extract import parse as parse_extract
@@ -65,6 +68,7 @@ from eaglet.plan.extraction import estimate_extraction, estimate_regeneration, p
 from eaglet.plan.serving import target_step
 from eaglet.plan.target_cost import forward_flops_per_token
 from eaglet.plan.training import HeadShape, attention_context, calibrated_efficiency, device_seconds_per_token
+from eaglet.target_model import resolve_dtype
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 SECTION = "NVIDIA H200"  # the rows checked, and the hardware config they ran on
@@ -81,6 +85,7 @@ EXTRACTION = "Extraction throughput"
 EXTRACTION_COLUMNS = ("shards in", "disk write MB/s (tok/s)", "bare forward tok/s", "extraction tok/s")
 DECODE_STEP = "Decode step of the generation engine"
 DATA_STAGE = "Regeneration and extraction at scale"
+SCALE_STAGE = "The scale recipe's data and training on one H200"
 GOAL = 0.25
 IN_STEP = 0.01  # a constant of conf/plan/default.yaml may differ this much from what its row implies
 _LEAD = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2}), (?P<machine>.+?)\. ")
@@ -88,6 +93,12 @@ _PROMPT = re.compile(r"(?P<low>\d+)-(?P<high>\d+)% prompt")
 _STAGE_REGEN = re.compile(r"(?P<turns>[\d,]+) assistant turns, (?P<new>[\d,]+) new tokens")
 _STAGE_EXTRACT = re.compile(r"(?P<sequences>[\d,]+) sequences, (?P<tokens>[\d,]+) tokens")
 _STAGE_COMPILE = re.compile(r"~?(?P<seconds>[\d.]+) s compiling")
+_SCALE_ANSWERS = re.compile(r"(?P<turns>[\d,]+) turns, (?P<new>[\d,]+) new tokens")
+_SCALE_COMPILE = re.compile(r"(?P<seconds>[\d.]+) s of it before the first token")
+_SCALE_STORE = re.compile(
+    r"(?P<sequences>[\d,]+) sequences, (?P<tokens>[\d,]+) tokens, \**(?P<answers>[\d,]+) answer tokens"
+)
+_SCALE_DATA_COMMAND = re.compile(r"`(?:python )?extract\.py (?P<args>[^`]*)`")
 _STAGE_MACHINE = re.compile(r"^\d{4}-\d{2}-\d{2}, (?:one )?(?P<machine>[^,(]+\([^)]*\))")
 
 
@@ -455,8 +466,8 @@ def compose_stage(table: BenchTable) -> EagletConfig:
 
 def check_data_stage(
     tables: list[BenchTable], h200: HardwareConfig, cal: PlanCalibrationConfig
-) -> tuple[tuple, tuple[str, bool], str, list[str]]:
-    """regeneration_loop_efficiency from the latest data stage: (result, note, the gap in words, left out)."""
+) -> tuple[tuple, str, list[str]]:
+    """The latest smollm2_gpu data stage, held out: (result, the steps' share in words, left out)."""
     found = latest(tables, DATA_STAGE)
     if not found:
         raise DataError(f"{BENCH_FILE} lacks an H200 '{DATA_STAGE}' table")
@@ -468,12 +479,8 @@ def check_data_stage(
     plan = dataclasses.replace(
         cfg.plan, calibration=cal, regenerate_batch_size=cfg.extract.regenerate.batch_size
     )
-    placement = place_target(model, h200, plan)
-    estimate = estimate_regeneration(model, h200, placement, data, plan)
-    steps_alone = estimate.prefill_seconds + estimate.decode_seconds
+    estimate = estimate_regeneration(model, h200, place_target(model, h200, plan), data, plan)
     measured = stage.seconds - stage.compile_seconds
-    note = calibration_note("regeneration_loop_efficiency", cal.regeneration_loop_efficiency,
-                            steps_alone / measured, "data-stage row")  # fmt: skip
     what = (
         f"regeneration {model.name} (bf16), the data stage: {stage.turns:,} turns, {stage.new_tokens:,} new tokens, "
         f"{estimate.batch:,} rows, mean context {data.mean_context:,.0f}; new tokens/s without the "
@@ -485,14 +492,122 @@ def check_data_stage(
         machine["machine"] if machine else "?",
         stage.new_tokens / measured,
         stage.new_tokens / estimate.seconds,
+        "held out",
+    )
+    steps_alone = estimate.prefill_seconds + estimate.decode_seconds
+    words = (
+        f"the smollm2_gpu data stage (held out; its shape from the answers it imports) reached "
+        f"{steps_alone / measured:.3f} of its steps' rate"
+    )
+    return result, words, left_out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleAnswers:
+    """The answers of the scale recipe's data stage (self-prompted conversations, greedy and sampled), a
+    regeneration row held out from the calibration. Its conversations stayed on the machine that wrote them, so
+    the stage is sized from the token store's counts: each regenerated turn read the store's mean prompt (its
+    tokens outside the answers, per sequence) before its answer, and the causal context is that of sequences of
+    the store's mean length, (n + 1) / 2 (equal lengths: the least the spread of lengths can give)."""
+
+    table: BenchTable
+    turns: int
+    new_tokens: int
+    seconds: float
+    compile_seconds: float  # before the first token: the step's compile and graph capture
+    sequences: int
+    tokens: int
+    answer_tokens: int
+    data_args: list[str]  # the data stage's extract.py overrides
+
+    @classmethod
+    def of(cls, table: BenchTable) -> ScaleAnswers:
+        rows = {row["stage"]: row for row in table.rows}
+        try:
+            both, greedy, store, stage = (
+                rows[k] for k in ("answers, both", "answers, greedy", "token store", "data stage")
+            )
+        except KeyError as missing:
+            raise DataError(
+                f"{BENCH_FILE}: '{SCALE_STAGE}' (`{table.command}`) lacks the row {missing}"
+            ) from None
+        answers = _SCALE_ANSWERS.search(both["what"])
+        compile_ = _SCALE_COMPILE.search(greedy["rate"])
+        counts = _SCALE_STORE.search(store["what"])
+        command = _SCALE_DATA_COMMAND.search(stage["what"])
+        if answers is None or compile_ is None or counts is None or command is None:
+            raise DataError(f"{BENCH_FILE}: cannot read the cells of '{SCALE_STAGE}' (`{table.command}`)")
+        return cls(
+            table=table,
+            turns=int(number(answers["turns"])),
+            new_tokens=int(number(answers["new"])),
+            seconds=number(both["seconds"].split()[0]),
+            compile_seconds=float(compile_["seconds"]),
+            sequences=int(number(counts["sequences"])),
+            tokens=int(number(counts["tokens"])),
+            answer_tokens=int(number(counts["answers"])),
+            data_args=command["args"].split(),
+        )
+
+    def size(self) -> DataSize:
+        prompt = (self.tokens - self.answer_tokens) / self.sequences
+        return DataSize(
+            conversations=self.turns,
+            tokens=self.tokens,
+            loss_fraction=self.answer_tokens / self.tokens,
+            mean_context=(self.tokens / self.sequences + 1) / 2,
+            generated_tokens=self.new_tokens,
+            prefill_tokens=self.turns * prompt,
+            source=f"{self.table.command}: the token store's counts",
+        )
+
+
+def check_scale_answers(
+    tables: list[BenchTable], h200: HardwareConfig, cal: PlanCalibrationConfig
+) -> tuple[tuple, tuple[str, bool], str, list[str]]:
+    """regeneration_loop_efficiency from the latest scale recipe's answers: (result, note, the gap in words, left
+    out)."""
+    found = latest(tables, SCALE_STAGE)
+    if not found:
+        raise DataError(f"{BENCH_FILE} lacks an H200 '{SCALE_STAGE}' table")
+    stage = ScaleAnswers.of(found[-1])
+    left_out = [f"'{SCALE_STAGE}' `{t.command}` (an earlier run)" for t in found[:-1]]
+    with initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=stage.data_args))
+    # The engine runs the target in model.dtype as resolved on the GPU (auto: bf16).
+    dtype = resolve_dtype(cfg.model.dtype, torch.device("cuda"))
+    model = decode_model(dtype.itemsize * 8)
+    data = stage.size()
+    plan = dataclasses.replace(
+        cfg.plan, calibration=cal, regenerate_batch_size=cfg.extract.regenerate.batch_size
+    )
+    estimate = estimate_regeneration(model, h200, place_target(model, h200, plan), data, plan)
+    measured = stage.seconds - stage.compile_seconds
+    steps_alone = estimate.prefill_seconds + estimate.decode_seconds
+    note = calibration_note("regeneration_loop_efficiency", cal.regeneration_loop_efficiency,
+                            steps_alone / measured, "scale recipe's answers")  # fmt: skip
+    machine = _STAGE_MACHINE.match(stage.table.text)
+    what = (
+        f"regeneration {model.name} ({str(dtype).removeprefix('torch.')}), the scale recipe's answers: {stage.turns:,} turns of "
+        f"self-prompted and shared conversations, {stage.new_tokens:,} new tokens, {estimate.batch:,} rows, mean "
+        f"context {data.mean_context:,.0f}; new tokens/s without the {stage.compile_seconds:g} s before the first "
+        "token"
+    )
+    result = (
+        what,
+        machine["machine"] if machine else "?",
+        stage.new_tokens / measured,
+        stage.new_tokens / estimate.seconds,
         "calibration",
     )
     gap = (
-        f"Regeneration: the decode steps alone (decode_bandwidth_efficiency from the decode-step row, "
-        f"{estimate.step_tokens_per_second:,.0f} new tokens/s at {estimate.batch:,} rows) and the prefills predict "
-        f"{steps_alone:,.1f} s for the data stage; it took {measured:,.1f} s besides the {stage.compile_seconds:g} s "
-        f"compile ({stage.seconds:g} s in all), {measured / steps_alone:.1f}× longer: the loop around the steps "
-        "(not yet profiled) is what regeneration_loop_efficiency carries. No regeneration row is held out yet."
+        f"Regeneration: the scale recipe's answers, sized from its token store's counts ({data.prefill_tokens / stage.turns:,.0f} "
+        f"prompt tokens read per answer, sequences of {stage.tokens / stage.sequences:,.0f} tokens), at "
+        f"decode_bandwidth_efficiency from the decode-step row ({estimate.step_tokens_per_second:,.0f} new tokens/s "
+        f"at {estimate.batch:,} rows) with their prefills, predict {steps_alone:,.1f} s; they took {measured:,.1f} s "
+        f"besides the {stage.compile_seconds:g} s before the first token, {measured / steps_alone:.1f}× longer: the "
+        "loop around the steps (per-window prefills and host work, sampled answers) is what "
+        "regeneration_loop_efficiency carries"
     )
     return result, note, gap, left_out
 
@@ -533,10 +648,11 @@ def main(argv: list[str]) -> int:
     results += extraction
     notes += extraction_notes
     decode, decode_note, decode_left_out = check_decode_step(tables, h200, cal)
-    stage, stage_note, gap, stage_left_out = check_data_stage(tables, h200, cal)
-    results += [decode, stage]
-    notes += [decode_note, stage_note]
-    left_out += extraction_left_out + decode_left_out + stage_left_out
+    scale, scale_note, gap, scale_left_out = check_scale_answers(tables, h200, cal)
+    stage, stage_words, stage_left_out = check_data_stage(tables, h200, cal)
+    results += [decode, scale, stage]
+    notes += [decode_note, scale_note]
+    left_out += extraction_left_out + decode_left_out + stage_left_out + scale_left_out
 
     header = (
         "| date | measured on | configuration | measured tok/s | predicted tok/s | error | role |\n"
@@ -559,7 +675,7 @@ def main(argv: list[str]) -> int:
         "Extraction rows: per token, max(forward + store_exposed_share × storing, storing), storing at the slower "
         "of host_store_gbs and the row's own measured write rate (eaglet.plan.extraction). The bare forward is the "
         "one the tmpfs row calibrates, measured again in the held-out row's run.",
-        gap,
+        f"{gap}; {stage_words}.",
         "Not predicted: " + ("; ".join(left_out) if left_out else "none") + ".",
     ]
     print(header + "\n" + "\n".join(lines) + "\n\n" + "\n".join(footer))

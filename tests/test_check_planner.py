@@ -101,6 +101,41 @@ def test_data_stage_cells_are_read(tmp_path: Path):
         check_planner.ran_bits("SmolLM2-135M (random)")
 
 
+SCALE_TABLE = (
+    "## NVIDIA H200\n\n### The scale recipe's data and training on one H200 — `python recipes/smollm2_scale.py "
+    "rows=main`\n\n2026-12-04, NVIDIA H200 (torch 2.11.0+cu130), 16 CPU cores, from a bare machine.\n\n"
+    "| stage | what | seconds | rate |\n|---|---|---|---|\n"
+    "| answers, greedy | 200,000 conversations, 256-token cap | 346 | 110K new tokens/s (41 s of it before the first "
+    "token: compile, graph capture) |\n"
+    "| answers, both | 234,308 turns, 44,627,727 new tokens | 416.7 | 107K new tokens/s |\n"
+    "| token store | 245,231 sequences, 69,540,276 tokens, **50,218,804 answer tokens**, 335.7 MiB | 12.4 | |\n"
+    "| data stage | `extract.py experiments=smollm2_scale`, start to end | 850 | |\n"
+)
+
+
+def test_scale_answers_are_read_and_sized_from_the_token_store(tmp_path: Path):
+    stage = check_planner.ScaleAnswers.of(one_table(tmp_path, SCALE_TABLE))
+    assert (stage.turns, stage.new_tokens, stage.seconds, stage.compile_seconds) == (
+        234308,
+        44627727,
+        416.7,
+        41.0,
+    )
+    assert (stage.sequences, stage.tokens, stage.answer_tokens) == (245231, 69540276, 50218804)
+    assert stage.data_args == ["experiments=smollm2_scale"]
+    size = stage.size()
+    # Each turn reads the store's mean prompt: (69,540,276 - 50,218,804) / 245,231 = 78.8 tokens.
+    assert size.prefill_tokens == pytest.approx(234308 * 78.789, rel=1e-4)
+    assert size.mean_context == pytest.approx((69540276 / 245231 + 1) / 2)
+    assert size.generated_tokens == 44627727
+
+
+def test_scale_answers_without_a_row_they_need_say_which(tmp_path: Path):
+    table = one_table(tmp_path, SCALE_TABLE.replace("| token store |", "| tokens |"))
+    with pytest.raises(DataError, match="lacks the row 'token store'"):
+        check_planner.ScaleAnswers.of(table)
+
+
 def test_decode_step_reads_its_greedy_compiled_row(tmp_path: Path):
     header = "| date | machine | shape | rows | context | sampling | compiled | ms/step | new tokens/s |"
     table = one_table(

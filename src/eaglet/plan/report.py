@@ -287,7 +287,7 @@ def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
         (
             "regeneration",
             f"{plan.regenerate_batch_size} sequences per replica (fewer if the KV cache does not fit); the loop at "
-            f"{cal.regeneration_loop_efficiency:.1%} of its decode steps' rate (the H200 data stage, a 135M target)",
+            f"{cal.regeneration_loop_efficiency:.1%} of its decode steps' rate (the scale recipe's answers on one H200, a 135M target)",
         ),
         (
             "tokens from text",
