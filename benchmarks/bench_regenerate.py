@@ -9,6 +9,8 @@ Every scheduler answers the same conversations (the shared ShareGPT, OpenAssista
 `regenerate_conversations` unless said otherwise:
 - "engine": the generation engine (static slots, CUDA graphs; eaglet.generation.engine), greedy.
 - "engine-sampled": the same, sampled (`bench.temperature`, `bench.top_p`), `bench.samples` answers per prompt.
+- "engine-overlap", "engine-sampled-overlap": the same two with the prefills queued behind each window
+  (extract.regenerate.overlap_prefill=true).
 - "reference": the reference decoder (eaglet.generation.continuous), greedy.
 - "turn-serial": the scheduler before continuous batching, kept for comparison: fixed length-sorted batches in
   which user turn r+1 waits for turn r of all of them, a DynamicCache, Python per row at every step.
@@ -188,7 +190,14 @@ def turn_serial(
 
 
 def regenerate(
-    model, tokenizer, conversations: list[Conversation], opts: dict, *, engine: str, sampled: bool = False
+    model,
+    tokenizer,
+    conversations: list[Conversation],
+    opts: dict,
+    *,
+    engine: str,
+    sampled: bool = False,
+    overlap: bool = False,
 ) -> tuple[list[list[Turn]], int]:
     """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens)."""
     # Several answers per prompt: copies under their own ids, so each samples its own stream.
@@ -201,6 +210,7 @@ def regenerate(
         refill_every=opts["refill_every"],
         engine=engine,
         compile=bool(opts["compile"]),
+        overlap_prefill=overlap,
         temperature=float(opts["temperature"]) if sampled else 0.0,
         top_p=float(opts["top_p"]) if sampled else 1.0,
     )
@@ -258,6 +268,10 @@ SCHEDULERS = {
     "reference": lambda m, t, c, o: regenerate(m, t, c, o, engine="reference"),
     "engine": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine"),
     "engine-sampled": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", sampled=True),
+    "engine-overlap": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", overlap=True),
+    "engine-sampled-overlap": lambda m, t, c, o: regenerate(
+        m, t, c, o, engine="engine", sampled=True, overlap=True
+    ),
     "transformers-cb": transformers_cb,
 }
 
@@ -370,7 +384,11 @@ def main(argv: list[str]) -> None:
     rows = []
     for name, (answers, tokens, seconds) in results.items():
         turns = sum(t.role == "assistant" for a in answers for t in a)
-        count = len(answers) if name in ("engine-sampled", "transformers-cb") else len(conversations)
+        count = (
+            len(answers)
+            if name in ("engine-sampled", "engine-sampled-overlap", "transformers-cb")
+            else len(conversations)
+        )
         rows.append(
             f"| {date.today()} | {machine()} | {cfg.model.name} ({target.dtype}) | {name} | {count:,} "
             f"| {turns:,} | {tokens:,} | {opts['batch_size']} | {seconds:,.1f} | {tokens / seconds:,.0f} "
@@ -379,7 +397,7 @@ def main(argv: list[str]) -> None:
     print(header)
     print("\n".join(rows))
     notes = []
-    greedy = [results[n][0] for n in ("reference", "engine", "turn-serial") if n in results]
+    greedy = [results[n][0] for n in ("reference", "engine", "engine-overlap", "turn-serial") if n in results]
     if len(greedy) >= 2:
         pairs = [
             (a, b) for x, y in zip(greedy[0], greedy[1], strict=True) for a, b in zip(x, y, strict=False)

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> None:
         prompts, stats = self_prompt(
             target.model, target.tokenizer, cfg.extract.self_prompt, template=cfg.model.chat_template,
             out_path=Path(folder) / "prompts.jsonl", seed=cfg.seed, held_out=eval_set_prompts(cfg.eval.set_defs),
-            engine=str(rg.engine), compile=rg.compile,
+            engine=str(rg.engine), compile=rg.compile, overlap_prefill=rg.overlap_prefill,
         )  # fmt: skip
     print(format_self_prompt_report(self_prompt_report(stats, prompts)))
     sp = cfg.extract.self_prompt

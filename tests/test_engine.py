@@ -79,6 +79,9 @@ def test_greedy_answers_equal_the_reference_decoder(kind: str) -> None:
     # More rows than requests at once, and one row at a time: refills do not change an answer.
     assert run(model, "engine", rows=16) == reference
     assert run(model, "engine", rows=1) == reference
+    # Prefills queued behind the window: the same answers, a window later.
+    assert run(model, "engine", overlap_prefill=True) == reference
+    assert run(model, "engine", rows=1, overlap_prefill=True) == reference
 
 
 def test_sampled_answers_follow_the_same_per_row_streams() -> None:
@@ -86,6 +89,7 @@ def test_sampled_answers_follow_the_same_per_row_streams() -> None:
     reference = run(model, "reference", temperature=0.9, top_p=0.8)
     assert run(model, "engine", temperature=0.9, top_p=0.8) == reference
     assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5) == reference
+    assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, overlap_prefill=True) == reference
     assert reference != run(model, "reference"), "sampling must differ from greedy here"
 
 

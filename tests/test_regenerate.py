@@ -263,6 +263,32 @@ def test_continuous_batching_equals_turn_by_turn_greedy(target, tmp_path: Path) 
     assert len(lengths) > 2
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_engine_answers_as_turn_by_turn_greedy_with_prefills_before_or_behind_the_window(
+    target, tmp_path: Path, overlap: bool
+) -> None:
+    tokenizer = _StopAt(target.tokenizer, STOP)
+    cfg = replace(CONTINUOUS, engine="engine", overlap_prefill=overlap)
+    out, _ = regenerate_conversations(
+        target.model, tokenizer, TALKS, cfg=cfg, out_path=tmp_path / "r.jsonl", max_length=512
+    )
+    want = [_turn_by_turn_greedy(target.model, tokenizer, c, CONTINUOUS.max_new_tokens) for c in TALKS]
+    assert [list(c.turns) for c in out] == want
+
+
+def test_when_the_engine_prefills_is_not_part_of_the_folders_identity(compose) -> None:
+    from eaglet.extract.core import regenerate_settings
+    from eaglet.extract.job import ExtractionJob
+
+    def settings(*overrides: str) -> dict:
+        cfg = compose("extract.regenerate.enabled=true", *overrides)
+        job = ExtractionJob(cfg.model, cfg.dataset, cfg.extract, Path("d"), Path("c"), {}, seed=cfg.seed)
+        return regenerate_settings(job)
+
+    assert settings("extract.regenerate.overlap_prefill=true") == settings()
+    assert settings("extract.regenerate.max_new_tokens=7") != settings()
+
+
 def test_a_killed_run_resumes_to_the_same_answers(target, tmp_path: Path, monkeypatch) -> None:
     tokenizer = _StopAt(target.tokenizer, STOP)
     reference, _ = regenerate_conversations(

@@ -184,6 +184,10 @@ class RegenerateConfig:
     engine: GenerationEngine = GenerationEngine.auto
     # The engine's decode step through torch.compile (CUDA): fewer, fused kernels; a compilation at the start.
     compile: bool = True
+    # The engine prefills new requests behind the window of decode steps it has just launched, not before it:
+    # the host's work on the prefills overlaps the GPU's decoding, the freed rows sit out one window. The
+    # same answers either way. Also for self-prompting and follow-ups.
+    overlap_prefill: bool = False
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
     # Model name to request; null = the one model the endpoint lists at /v1/models.

@@ -71,6 +71,7 @@ def add_follow_ups(
     held_out: set[str],
     engine: str = "auto",
     compile: bool = True,
+    overlap_prefill: bool = False,
 ) -> tuple[list[Conversation], FollowUpStats]:
     """`conversations` (self-prompted, answered; ids sp-<n>) with up to `cfg.follow_up_turns` more user turns
     that `model` wrote, each answered through `answer`; same ids and order. `held_out` holds normalised prompts
@@ -103,7 +104,7 @@ def add_follow_ups(
                     model, list(missing.values()), max_new_tokens=cfg.max_prompt_tokens, stop_ids=stops,
                     pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p,
                     seeds=[_seed(seed, conv_id, turn) for conv_id in missing], max_rows=cfg.batch_size,
-                    engine=engine, compile=compile,
+                    engine=engine, compile=compile, overlap_prefill=overlap_prefill,
                 )  # fmt: skip
                 fresh = [
                     _record(conv_id, turn, contexts[conv_id], tokens, tokenizer, cfg)

@@ -78,6 +78,7 @@ def regenerate_in_process(
         engine=str(cfg.engine),
         max_context=max_length,
         compile=cfg.compile,
+        overlap_prefill=cfg.overlap_prefill,
     )
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)

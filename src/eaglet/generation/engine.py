@@ -10,7 +10,8 @@ position: its rows of the batch are wasted arithmetic, not a branch.
 The host meets the device once per window of `refill_every` steps: one copy of the stop positions tells which
 rows are done; their tokens come back in one copy; requests taken ahead are prefilled into the freed slots
 (in chunks of similar lengths, written straight into their slots) and the next window is launched at once,
-with them. The work source (detokenizing, the next turn's chat template) runs while the device decodes.
+with them (or, with DecodeSettings.overlap_prefill, the window is launched first and the prefills queued
+behind it, so that the host's work on them overlaps the GPU's decoding). The work source (detokenizing, the next turn's chat template) runs while the device decodes.
 
 The outputs match eaglet.generation.continuous (the reference decoder) token for token where the arithmetic
 agrees: on CPU in float32 it does (tests); in bf16 on a GPU the two differ only where two tokens' logits
@@ -128,16 +129,13 @@ class _Engine:
         while True:
             with record_function("engine.harvest"):
                 finished = self._harvest()
-            free = [slot for slot in range(self.slots) if slot not in self.busy]
-            if ready and free:
-                with record_function("engine.prefill"):
-                    start = self.clock.mark()
-                    admitted, ready = ready[: len(free)], ready[len(free) :]
-                    self._admit(free[: len(admitted)], admitted, budget)
-                    self.clock.span("prefill", start)
+            if not self.settings.overlap_prefill:
+                ready = self._refill(ready, budget)
             # The window runs while the source records what finished and works out what comes next.
             with record_function("engine.launch"):
                 self._launch_window()
+            if self.settings.overlap_prefill:  # the GPU runs these prefills after the window
+                ready = self._refill(ready, budget)
             with record_function("engine.source"):
                 for request, tokens in finished:
                     source.finish(request, tokens)
@@ -152,6 +150,17 @@ class _Engine:
                 self.clock.settle()
                 self._summary()
                 return
+
+    def _refill(self, ready: list[Request], budget: int) -> list[Request]:
+        """Prefill as many `ready` requests as there are free slots into them; the rest, still to come."""
+        free = [slot for slot in range(self.slots) if slot not in self.busy]
+        if ready and free:
+            with record_function("engine.prefill"):
+                start = self.clock.mark()
+                admitted, ready = ready[: len(free)], ready[len(free) :]
+                self._admit(free[: len(admitted)], admitted, budget)
+                self.clock.span("prefill", start)
+        return ready
 
     def _harvest(self) -> list[tuple[Request, list[int]]]:
         """The busy slots that met a stop id or their budget, freed; (request, tokens) for each, in slot order."""

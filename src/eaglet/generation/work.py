@@ -54,6 +54,10 @@ class DecodeSettings:
     # The engine's decode step through torch.compile first (fuses the small elementwise kernels between the
     # matrix products; costs a compilation at the start).
     compile: bool = False
+    # The engine prefills new requests behind the window it has just launched instead of before it: the host
+    # launches the (eager) prefill while the GPU decodes, at the cost of the freed slots sitting out that window
+    # (the requests start one window later). Outputs are the same either way.
+    overlap_prefill: bool = False
 
 
 def prefill_chunks(requests: list[Request], budget: int, min_tokens: int) -> list[list[Request]]:
