@@ -64,7 +64,12 @@ from eaglet.errors import DataError
 from eaglet.plan.benchmarks import BenchTable, number, parse_benchmarks
 from eaglet.plan.configs import default_plan, load_draft, load_hardware, load_model
 from eaglet.plan.data_size import DataSize, estimate_data_size
-from eaglet.plan.extraction import estimate_extraction, estimate_regeneration, place_target
+from eaglet.plan.extraction import (
+    RegenerationEstimate,
+    estimate_extraction,
+    estimate_regeneration,
+    place_target,
+)
 from eaglet.plan.serving import target_step
 from eaglet.plan.target_cost import forward_flops_per_token
 from eaglet.plan.training import HeadShape, attention_context, calibrated_efficiency, device_seconds_per_token
@@ -464,6 +469,25 @@ def compose_stage(table: BenchTable) -> EagletConfig:
     return OmegaConf.to_object(cfg)
 
 
+def regeneration_result(
+    what: str,
+    table: BenchTable,
+    new_tokens: int,
+    measured_s: float,
+    estimate: RegenerationEstimate,
+    role: str,
+) -> tuple:
+    """A regeneration row of the check: (what, machine, measured and predicted new tokens/s, role)."""
+    machine = _STAGE_MACHINE.match(table.text)
+    return (
+        what,
+        machine["machine"] if machine else "?",
+        new_tokens / measured_s,
+        new_tokens / estimate.seconds,
+        role,
+    )
+
+
 def check_data_stage(
     tables: list[BenchTable], h200: HardwareConfig, cal: PlanCalibrationConfig
 ) -> tuple[tuple, str, list[str]]:
@@ -486,14 +510,7 @@ def check_data_stage(
         f"{estimate.batch:,} rows, mean context {data.mean_context:,.0f}; new tokens/s without the "
         f"{stage.compile_seconds:g} s compile"
     )
-    machine = _STAGE_MACHINE.match(stage.table.text)
-    result = (
-        what,
-        machine["machine"] if machine else "?",
-        stage.new_tokens / measured,
-        stage.new_tokens / estimate.seconds,
-        "held out",
-    )
+    result = regeneration_result(what, stage.table, stage.new_tokens, measured, estimate, "held out")
     steps_alone = estimate.prefill_seconds + estimate.decode_seconds
     words = (
         f"the smollm2_gpu data stage (held out; its shape from the answers it imports) reached "
@@ -586,20 +603,13 @@ def check_scale_answers(
     steps_alone = estimate.prefill_seconds + estimate.decode_seconds
     note = calibration_note("regeneration_loop_efficiency", cal.regeneration_loop_efficiency,
                             steps_alone / measured, "scale recipe's answers")  # fmt: skip
-    machine = _STAGE_MACHINE.match(stage.table.text)
     what = (
         f"regeneration {model.name} ({str(dtype).removeprefix('torch.')}), the scale recipe's answers: {stage.turns:,} turns of "
         f"self-prompted and shared conversations, {stage.new_tokens:,} new tokens, {estimate.batch:,} rows, mean "
         f"context {data.mean_context:,.0f}; new tokens/s without the {stage.compile_seconds:g} s before the first "
         "token"
     )
-    result = (
-        what,
-        machine["machine"] if machine else "?",
-        stage.new_tokens / measured,
-        stage.new_tokens / estimate.seconds,
-        "calibration",
-    )
+    result = regeneration_result(what, stage.table, stage.new_tokens, measured, estimate, "calibration")
     gap = (
         f"Regeneration: the scale recipe's answers, sized from its token store's counts ({data.prefill_tokens / stage.turns:,.0f} "
         f"prompt tokens read per answer, sequences of {stage.tokens / stage.sequences:,.0f} tokens), at "
