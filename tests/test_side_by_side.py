@@ -163,7 +163,7 @@ def test_epochs_take_as_many_optimizer_steps_as_train_py(sbs, shards: Path, mode
         shards, plan.tokens_per_device, cfg.trainer.val_fraction, seed=0, num_workers=0
     )
     datamodule.setup()
-    per_epoch = datamodule.train_batches_per_rank(1) // plan.accumulate_grad_batches
+    per_epoch = -(-datamodule.train_batches_per_rank(1) // plan.accumulate_grad_batches)
     assert per_epoch > 0 and optimizer_steps(cfg.trainer, datamodule, plan) == 2 * per_epoch
     # A trainer.max_steps override still wins, as in train.py.
     opts, overrides = sbs.parse_args([*script_args(shards, model_cache), "epochs=2", "trainer.max_steps=3"])

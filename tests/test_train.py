@@ -101,6 +101,31 @@ def test_fit_writes_checkpoints_metrics_report_and_export(compose, shards: Path,
     assert ckpt["hyper_parameters"]["ttt_steps"] == 3
 
 
+def test_a_run_of_epochs_trains_every_epoch_when_its_micro_batches_do_not_divide_into_steps(
+    compose, shards: Path, tmp_path: Path
+) -> None:
+    from eaglet.train.datamodule import ShardDataModule
+    from eaglet.train.hardware import plan_trainer
+
+    overrides = [o for o in train_overrides(shards, tmp_path) if not o.startswith("trainer.max_steps")] + [
+        "trainer.max_epochs=2"
+    ]
+    cfg = compose(*overrides)
+    plan = plan_trainer(cfg.hardware, cfg.trainer)
+    datamodule = ShardDataModule(
+        shards, plan.tokens_per_device, cfg.trainer.val_fraction, seed=0, num_workers=0
+    )
+    datamodule.setup()
+    micro_batches = datamodule.train_batches_per_rank(1)
+    assert micro_batches >= 3
+    # Two optimizer steps an epoch, the second on the one micro-batch left.
+    accumulate = micro_batches - 1
+    tokens = f"trainer.global_batch_tokens={plan.tokens_per_device * accumulate}"
+    summary = run_training(compose(*overrides, tokens), tmp_path / "run")
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert (report["epochs"], report["steps"], summary.steps) == (2, 4, 4)
+
+
 def test_a_time_limit_ends_training_as_if_done(compose, shards: Path, tmp_path: Path) -> None:
     """trainer.max_time_s stops before max_steps, still with the last checkpoint, the report and the head."""
     run_dir = tmp_path / "run"

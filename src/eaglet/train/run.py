@@ -3,6 +3,7 @@ them, window) in, a trained head (checkpoints + serving export + report) out."""
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -105,7 +106,9 @@ def optimizer_steps(tr: TrainerConfig, datamodule: ShardDataModule, plan: Traine
     if tr.max_steps > 0:
         return tr.max_steps
     micro_batches = datamodule.train_batches_per_rank(plan.world_size)
-    return tr.max_epochs * max(1, micro_batches // plan.accumulate_grad_batches)
+    # Lightning steps the optimizer on an epoch's last micro-batches too, however few are left: ceil, not floor
+    # (which ended a run of many small epochs early, its learning-rate schedule with it).
+    return tr.max_epochs * max(1, math.ceil(micro_batches / plan.accumulate_grad_batches))
 
 
 def build_module(
