@@ -11,7 +11,8 @@ The host meets the device once per window of `refill_every` steps: one copy of t
 rows are done; their tokens come back in one copy; requests taken ahead are prefilled into the freed slots
 (in chunks of similar lengths, written straight into their slots) and the next window is launched at once,
 with them (or, with DecodeSettings.overlap_prefill, the window is launched first and the prefills queued
-behind it, so that the host's work on them overlaps the GPU's decoding). The work source (detokenizing, the next turn's chat template) runs while the device decodes.
+behind it, so that the host's work on them overlaps the GPU's decoding). The work source (detokenizing, the
+next turn's chat template) runs while the device decodes.
 
 The outputs match eaglet.generation.continuous (the reference decoder) token for token where the arithmetic
 agrees: on CPU in float32 it does (tests); in bf16 on a GPU the two differ only where two tokens' logits
