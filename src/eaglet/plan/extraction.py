@@ -22,7 +22,7 @@ when the KV cache does not fit beside the weights), each step a decode forward a
 share calibrated on the generation engine's decode step); the prompt before each answer is prefilled at the
 extraction forward's rate. The loop around the steps (scheduling, templating, prefills, rows waiting for a
 conversation's next turn) reaches plan.calibration.regeneration_loop_efficiency of that, calibrated end to end
-on one data stage.
+on the scale recipe's answers on one H200 (benchmarks/check_planner.py holds another data stage out).
 """
 
 from __future__ import annotations
