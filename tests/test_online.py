@@ -17,6 +17,7 @@ import pytest
 import torch
 from hydra.core.global_hydra import GlobalHydra
 from safetensors.torch import load_file
+from test_train import REPRODUCIBLE_CPU
 
 import eaglet.config
 from eaglet.config import REPO_ROOT
@@ -313,7 +314,7 @@ def train_cmd(stores: dict[str, Path], out: Path, cache: Path, *extra: str) -> l
 def test_killed_online_training_resumes_mid_epoch_to_the_same_weights(
     stores: dict[str, Path], tmp_path: Path, model_cache: Path
 ) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **REPRODUCIBLE_CPU}
     whole = tmp_path / "whole"
     subprocess.run(train_cmd(stores, whole, model_cache), check=True, env=env, capture_output=True)
 
@@ -353,7 +354,7 @@ def test_two_process_online_ddp_equals_one_process_from_shards(
     stores: dict[str, Path], tmp_path: Path, model_cache: Path
 ) -> None:
     """hardware=cpu hardware.devices=2: each rank runs its own replica of the target on its own micro-batches."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **REPRODUCIBLE_CPU}
     runs = {}
     for name, folder, extra in (
         ("offline", "fp32", ["trainer.features=shards"]),

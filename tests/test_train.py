@@ -30,6 +30,17 @@ CONTRACT = {
 }  # fmt: skip
 
 
+# Processes whose weights a test compares bit for bit: one thread each, so no reduction is split differently
+# from one run to the next (runs that share the cores may otherwise get MKL's dynamic thread count), and MKL's
+# reproducible mode, whose results do not depend on how the buffers happen to be aligned.
+REPRODUCIBLE_CPU = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MKL_DYNAMIC": "FALSE",
+    "MKL_CBWR": "AUTO,STRICT",
+}
+
+
 def data_overrides(shards: Path) -> list[str]:
     return [
         "model=tiny_llama",
@@ -235,7 +246,7 @@ def train_cmd(shards: Path, out: Path, cache: Path, *extra: str) -> list[str]:
 
 @pytest.mark.e2e
 def test_killed_training_resumes_to_the_same_weights(shards: Path, tmp_path: Path, model_cache: Path) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **REPRODUCIBLE_CPU}
     whole = tmp_path / "whole"
     subprocess.run(train_cmd(shards, whole, model_cache), check=True, env=env, capture_output=True)
 
@@ -358,7 +369,7 @@ def start_train(
     """train.py with train_overrides + `extra`, its runs in out/train/<time>; killed at `kill_at` when given."""
     program = ["-c", KILLABLE_TRAIN] if kill_at else [TRAIN_PY]
     cmd = [sys.executable, *program, *train_overrides(shards, out, *extra), f"paths.cache_dir={cache}"]
-    env = {**os.environ, "EAGLET_KILL_AT": kill_at or ""}
+    env = {**os.environ, "EAGLET_KILL_AT": kill_at or "", **REPRODUCIBLE_CPU}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
