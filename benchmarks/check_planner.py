@@ -462,11 +462,25 @@ class DataStage:
 def compose_stage(table: BenchTable) -> EagletConfig:
     """The stage's config as its command composed it, less any extract.regenerate.import_from override (the
     sizing reads the experiment's own import file)."""
-    overrides = [a for a in table.argv() if not a.startswith("extract.regenerate.import_from=")]
+    return compose_checked([a for a in table.argv() if not a.startswith("extract.regenerate.import_from=")])
+
+
+def compose_checked(overrides: list[str]) -> EagletConfig:
+    """The config `overrides` compose, checked as the entry points check it."""
     with initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     check_config(cfg)
     return OmegaConf.to_object(cfg)
+
+
+def estimate_stage(
+    model: ModelConfig, h200: HardwareConfig, cfg: EagletConfig, data: DataSize, cal: PlanCalibrationConfig
+) -> RegenerationEstimate:
+    """plan.py's regeneration estimate for a measured stage, at its own rows and the calibration checked."""
+    plan = dataclasses.replace(
+        cfg.plan, calibration=cal, regenerate_batch_size=cfg.extract.regenerate.batch_size
+    )
+    return estimate_regeneration(model, h200, place_target(model, h200, plan), data, plan)
 
 
 def regeneration_result(
@@ -500,10 +514,7 @@ def check_data_stage(
     cfg = compose_stage(stage.table)
     data = stage.size(cfg)
     model = decode_model(ran_bits(stage.table.text))
-    plan = dataclasses.replace(
-        cfg.plan, calibration=cal, regenerate_batch_size=cfg.extract.regenerate.batch_size
-    )
-    estimate = estimate_regeneration(model, h200, place_target(model, h200, plan), data, plan)
+    estimate = estimate_stage(model, h200, cfg, data, cal)
     measured = stage.seconds - stage.compile_seconds
     what = (
         f"regeneration {model.name} (bf16), the data stage: {stage.turns:,} turns, {stage.new_tokens:,} new tokens, "
@@ -521,8 +532,8 @@ def check_data_stage(
 
 @dataclasses.dataclass(frozen=True)
 class ScaleAnswers:
-    """The answers of the scale recipe's data stage (self-prompted conversations, greedy and sampled), a
-    regeneration row held out from the calibration. Its conversations stayed on the machine that wrote them, so
+    """The answers of the scale recipe's data stage (self-prompted conversations, greedy and sampled): the
+    row regeneration_loop_efficiency is calibrated on. Its conversations stayed on the machine that wrote them, so
     the stage is sized from the token store's counts: each regenerated turn read the store's mean prompt (its
     tokens outside the answers, per sequence) before its answer, and the causal context is that of sequences of
     the store's mean length, (n + 1) / 2 (equal lengths: the least the spread of lengths can give)."""
@@ -589,16 +600,12 @@ def check_scale_answers(
         raise DataError(f"{BENCH_FILE} lacks an H200 '{SCALE_STAGE}' table")
     stage = ScaleAnswers.of(found[-1])
     left_out = [f"'{SCALE_STAGE}' `{t.command}` (an earlier run)" for t in found[:-1]]
-    with initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=stage.data_args))
+    cfg = compose_checked(stage.data_args)
     # The engine runs the target in model.dtype as resolved on the GPU (auto: bf16).
     dtype = resolve_dtype(cfg.model.dtype, torch.device("cuda"))
     model = decode_model(dtype.itemsize * 8)
     data = stage.size()
-    plan = dataclasses.replace(
-        cfg.plan, calibration=cal, regenerate_batch_size=cfg.extract.regenerate.batch_size
-    )
-    estimate = estimate_regeneration(model, h200, place_target(model, h200, plan), data, plan)
+    estimate = estimate_stage(model, h200, cfg, data, cal)
     measured = stage.seconds - stage.compile_seconds
     steps_alone = estimate.prefill_seconds + estimate.decode_seconds
     note = calibration_note("regeneration_loop_efficiency", cal.regeneration_loop_efficiency,
