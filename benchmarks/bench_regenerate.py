@@ -11,6 +11,8 @@ Every scheduler answers the same conversations (the shared ShareGPT, OpenAssista
 - "engine-sampled": the same, sampled (`bench.temperature`, `bench.top_p`), `bench.samples` answers per prompt.
 - "engine-overlap", "engine-sampled-overlap": the same two with the prefills queued behind each window
   (extract.regenerate.overlap_prefill=true).
+- "engine-graphs", "engine-sampled-graphs": the same two with each prefill replayed from a CUDA graph of its
+  bucket shape (extract.regenerate.prefill_graphs=true).
 - "reference": the reference decoder (eaglet.generation.continuous), greedy.
 - "turn-serial": the scheduler before continuous batching, kept for comparison: fixed length-sorted batches in
   which user turn r+1 waits for turn r of all of them, a DynamicCache, Python per row at every step.
@@ -198,6 +200,7 @@ def regenerate(
     engine: str,
     sampled: bool = False,
     overlap: bool = False,
+    graphs: bool = False,
 ) -> tuple[list[list[Turn]], int]:
     """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens)."""
     # Several answers per prompt: copies under their own ids, so each samples its own stream.
@@ -211,6 +214,7 @@ def regenerate(
         engine=engine,
         compile=bool(opts["compile"]),
         overlap_prefill=overlap,
+        prefill_graphs=graphs,
         temperature=float(opts["temperature"]) if sampled else 0.0,
         top_p=float(opts["top_p"]) if sampled else 1.0,
     )
@@ -271,6 +275,10 @@ SCHEDULERS = {
     "engine-overlap": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", overlap=True),
     "engine-sampled-overlap": lambda m, t, c, o: regenerate(
         m, t, c, o, engine="engine", sampled=True, overlap=True
+    ),
+    "engine-graphs": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", graphs=True),
+    "engine-sampled-graphs": lambda m, t, c, o: regenerate(
+        m, t, c, o, engine="engine", sampled=True, graphs=True
     ),
     "transformers-cb": transformers_cb,
 }
@@ -386,7 +394,8 @@ def main(argv: list[str]) -> None:
         turns = sum(t.role == "assistant" for a in answers for t in a)
         count = (
             len(answers)
-            if name in ("engine-sampled", "engine-sampled-overlap", "transformers-cb")
+            if name
+            in ("engine-sampled", "engine-sampled-overlap", "engine-sampled-graphs", "transformers-cb")
             else len(conversations)
         )
         rows.append(
@@ -397,7 +406,11 @@ def main(argv: list[str]) -> None:
     print(header)
     print("\n".join(rows))
     notes = []
-    greedy = [results[n][0] for n in ("reference", "engine", "engine-overlap", "turn-serial") if n in results]
+    greedy = [
+        results[n][0]
+        for n in ("reference", "engine", "engine-overlap", "engine-graphs", "turn-serial")
+        if n in results
+    ]
     if len(greedy) >= 2:
         pairs = [
             (a, b) for x, y in zip(greedy[0], greedy[1], strict=True) for a, b in zip(x, y, strict=False)

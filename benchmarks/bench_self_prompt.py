@@ -48,6 +48,7 @@ def main(argv: list[str]) -> None:
             target.model, target.tokenizer, cfg.extract.self_prompt, template=cfg.model.chat_template,
             out_path=Path(folder) / "prompts.jsonl", seed=cfg.seed, held_out=eval_set_prompts(cfg.eval.set_defs),
             engine=str(rg.engine), compile=rg.compile, overlap_prefill=rg.overlap_prefill,
+            prefill_graphs=rg.prefill_graphs,
         )  # fmt: skip
     print(format_self_prompt_report(self_prompt_report(stats, prompts)))
     sp = cfg.extract.self_prompt

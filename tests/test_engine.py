@@ -21,7 +21,8 @@ from transformers import (
 
 from eaglet.generation import DecodeSettings, Request, chosen_engine, decode_batch, decode_continuous
 from eaglet.generation.decode_attention import decode_attention, reference_decode_attention
-from eaglet.generation.static_model import unsupported_reason
+from eaglet.generation.prefill_graphs import GraphedPrefill, bucket_rows, bucket_width
+from eaglet.generation.static_model import SlotDecoder, unsupported_reason
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DIMS = {"vocab_size": 96, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 3,
@@ -82,6 +83,10 @@ def test_greedy_answers_equal_the_reference_decoder(kind: str) -> None:
     # Prefills queued behind the window: the same answers, a window later.
     assert run(model, "engine", overlap_prefill=True) == reference
     assert run(model, "engine", rows=1, overlap_prefill=True) == reference
+    # Prefills padded to bucket shapes (eagerly here; replayed from CUDA graphs on a GPU), padding rows in the
+    # spare slot: no busy slot's cache is touched.
+    assert run(model, "engine", prefill_graphs=True) == reference
+    assert run(model, "engine", rows=5, prefill_graphs=True, overlap_prefill=True) == reference
 
 
 def test_sampled_answers_follow_the_same_per_row_streams() -> None:
@@ -90,7 +95,54 @@ def test_sampled_answers_follow_the_same_per_row_streams() -> None:
     assert run(model, "engine", temperature=0.9, top_p=0.8) == reference
     assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5) == reference
     assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, overlap_prefill=True) == reference
+    assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, prefill_graphs=True) == reference
     assert reference != run(model, "reference"), "sampling must differ from greedy here"
+
+
+def test_prefill_buckets_round_up_by_at_most_half_the_width_and_to_a_power_of_two_rows() -> None:
+    assert [bucket_width(w) for w in (1, 32, 33, 48, 49, 64, 65, 97, 1500, 1537)] == [
+        32, 32, 48, 48, 64, 64, 96, 128, 1536, 2048,
+    ]  # fmt: skip
+    assert all(w <= bucket_width(w) < max(32, w) * 1.5 + 1 for w in range(1, 3000))
+    assert [bucket_rows(r) for r in (1, 2, 3, 5, 8, 9, 1000)] == [1, 2, 4, 8, 8, 16, 1024]
+
+
+def test_a_bucketed_prefill_gives_the_plain_prefills_logits_and_cache() -> None:
+    model = tiny("llama")
+    plain = SlotDecoder(model, slots=4, capacity=64)
+    padded = SlotDecoder(model, slots=4, capacity=64, spare=1)
+    bucketed = GraphedPrefill(padded, scratch=4, pad_id=0, graphs=False)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [11, 12, 0, 0, 0], [13, 14, 15, 0, 0]])
+    lengths, slots = torch.tensor([5, 2, 3]), torch.tensor([2, 0, 3])
+    with torch.no_grad():
+        want = plain.prefill(slots, ids, lengths)
+        got = bucketed(slots, ids, lengths)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    assert (4, 32) in bucketed.buckets  # three rows ran as four, five columns as 32
+    for layer in range(len(plain.keys)):
+        for slot, length in zip(slots.tolist(), lengths.tolist(), strict=True):
+            torch.testing.assert_close(
+                padded.keys[layer][slot, :, :length], plain.keys[layer][slot, :, :length]
+            )
+        assert not padded.keys[layer][1].any(), "a slot no prompt went to was written"
+
+
+def test_padding_rows_of_a_bucketed_prefill_leave_busy_slots_alone() -> None:
+    # Prompts of one length prefill together: three rows run as a bucket of four, the fourth in the spare slot.
+    model = tiny("llama", seed=2)
+    prompts = [[5 + i, 9, 10 + i, 11, 12 + 2 * i] for i in range(7)]
+    want = decode_batch(model, prompts, max_new_tokens=8, stop_ids={3}, pad_id=0, engine="reference")
+    got = decode_batch(
+        model,
+        prompts,
+        max_new_tokens=8,
+        stop_ids={3},
+        pad_id=0,
+        engine="engine",
+        max_rows=3,
+        prefill_graphs=True,
+    )
+    assert got == want
 
 
 def test_decode_batch_takes_the_engine_on_request() -> None:
@@ -177,6 +229,16 @@ def test_on_the_gpu_graphs_change_nothing_and_bf16_follows_the_reference() -> No
     model = model.to(torch.bfloat16)
     graphs, eager = run(model, "engine", rows=6), run(model, "engine", rows=6, cuda_graphs=False)
     assert graphs == eager
+
+
+@cuda
+def test_on_the_gpu_prefills_replayed_from_graphs_change_nothing() -> None:
+    model = tiny("llama").cuda()
+    reference = run(model, "reference")
+    assert run(model, "engine", prefill_graphs=True) == reference
+    assert run(model, "engine", rows=5, prefill_graphs=True, overlap_prefill=True) == reference
+    sampled = run(model, "reference", temperature=0.9, top_p=0.8)
+    assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, prefill_graphs=True) == sampled
 
 
 @cuda

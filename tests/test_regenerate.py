@@ -263,12 +263,12 @@ def test_continuous_batching_equals_turn_by_turn_greedy(target, tmp_path: Path) 
     assert len(lengths) > 2
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_the_engine_answers_as_turn_by_turn_greedy_with_prefills_before_or_behind_the_window(
-    target, tmp_path: Path, overlap: bool
+@pytest.mark.parametrize("overlap, graphs", [(False, False), (True, False), (False, True)])
+def test_the_engine_answers_as_turn_by_turn_greedy_however_it_prefills(
+    target, tmp_path: Path, overlap: bool, graphs: bool
 ) -> None:
     tokenizer = _StopAt(target.tokenizer, STOP)
-    cfg = replace(CONTINUOUS, engine="engine", overlap_prefill=overlap)
+    cfg = replace(CONTINUOUS, engine="engine", overlap_prefill=overlap, prefill_graphs=graphs)
     out, _ = regenerate_conversations(
         target.model, tokenizer, TALKS, cfg=cfg, out_path=tmp_path / "r.jsonl", max_length=512
     )
@@ -286,6 +286,7 @@ def test_when_the_engine_prefills_is_not_part_of_the_folders_identity(compose) -
         return regenerate_settings(job)
 
     assert settings("extract.regenerate.overlap_prefill=true") == settings()
+    assert settings("extract.regenerate.prefill_graphs=true") == settings()
     assert settings("extract.regenerate.max_new_tokens=7") != settings()
 
 

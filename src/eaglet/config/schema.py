@@ -188,6 +188,9 @@ class RegenerateConfig:
     # the host's work on the prefills overlaps the GPU's decoding, the freed rows sit out one window. The
     # same answers either way. Also for self-prompting and follow-ups.
     overlap_prefill: bool = False
+    # The engine replays each prefill from a CUDA graph of its bucket shape (prompts padded to it) instead of
+    # launching its kernels one by one: the host's launches were most of the prefill's time. Same answers.
+    prefill_graphs: bool = False
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
     # Model name to request; null = the one model the endpoint lists at /v1/models.

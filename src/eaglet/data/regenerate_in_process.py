@@ -79,6 +79,7 @@ def regenerate_in_process(
         max_context=max_length,
         compile=cfg.compile,
         overlap_prefill=cfg.overlap_prefill,
+        prefill_graphs=cfg.prefill_graphs,
     )
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -264,7 +264,7 @@ def regenerate_settings(
     unused = sampling if regen.samples_per_prompt == 1 else ()
     if regen.sampled_conversations is None:  # every conversation sampled: as before the key existed
         unused += ("sampled_conversations",)
-    unused += ("overlap_prefill",)  # when the engine prefills, not what it answers
+    unused += ("overlap_prefill", "prefill_graphs")  # how the engine prefills, not what it answers
     return {k: v for k, v in dict(regen).items() if k not in without + unused} | {"seed": job.seed}
 
 
@@ -560,7 +560,7 @@ def self_prompted(
         prompts, stats = self_prompt(
             model, tokenizer, sp, template=template, out_path=path, seed=job.seed,
             held_out=eval_set_prompts(job.held_out_sets), existing=existing, engine=str(rg.engine),
-            compile=rg.compile, overlap_prefill=rg.overlap_prefill,
+            compile=rg.compile, overlap_prefill=rg.overlap_prefill, prefill_graphs=rg.prefill_graphs,
         )  # fmt: skip
     prompted = SelfPrompted(prompts, path, stats, {**OmegaConf.to_container(sp), **identity})
     prompted.write_report()
@@ -608,7 +608,7 @@ def followed_up(
             model, tokenizer, sp, [c for c in answered if c.id in ids], answer=answer, template=template,
             out_path=path, seed=job.seed, max_length=job.extract.max_length,
             held_out=eval_set_prompts(job.held_out_sets), engine=str(rg.engine), compile=rg.compile,
-            overlap_prefill=rg.overlap_prefill,
+            overlap_prefill=rg.overlap_prefill, prefill_graphs=rg.prefill_graphs,
         )  # fmt: skip
     report = follow_up_report(stats)
     prompted.write_report(follow_ups=report)

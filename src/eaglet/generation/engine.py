@@ -11,8 +11,10 @@ The host meets the device once per window of `refill_every` steps: one copy of t
 rows are done; their tokens come back in one copy; requests taken ahead are prefilled into the freed slots
 (in chunks of similar lengths, written straight into their slots) and the next window is launched at once,
 with them (or, with DecodeSettings.overlap_prefill, the window is launched first and the prefills queued
-behind it, so that the host's work on them overlaps the GPU's decoding). The work source (detokenizing, the
-next turn's chat template) runs while the device decodes.
+behind it, so that the host's work on them overlaps the GPU's decoding; with DecodeSettings.prefill_graphs,
+each prefill chunk is padded to a bucket shape and replayed from that shape's CUDA graph,
+eaglet.generation.prefill_graphs). The work source (detokenizing, the next turn's chat template) runs while
+the device decodes.
 
 The outputs match eaglet.generation.continuous (the reference decoder) token for token where the arithmetic
 agrees: on CPU in float32 it does (tests); in bf16 on a GPU the two differ only where two tokens' logits
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
+from eaglet.generation.prefill_graphs import GraphedPrefill
 from eaglet.generation.sampling import pick_next
 from eaglet.generation.static_model import SlotDecoder
 from eaglet.generation.work import DecodeSettings, Request, WorkSource, prefill_chunks
@@ -103,8 +106,16 @@ class _Engine:
         # A row decodes up to refill_every - 1 steps past its budget before the host sees it is done.
         self.capacity = settings.max_context + settings.refill_every + 1
         self.slots = _fit_slots(model, settings.max_rows, self.capacity, device)
-        self.decoder = SlotDecoder(model, slots=self.slots, capacity=self.capacity)
+        # With bucketed prefills, one spare slot takes the padding rows' keys and values.
+        spare = 1 if settings.prefill_graphs else 0
+        self.decoder = SlotDecoder(model, slots=self.slots, capacity=self.capacity, spare=spare)
         self.forward = self.decoder.step
+        self.prefill = self.decoder.prefill
+        if settings.prefill_graphs:
+            graphs = device.type == "cuda" and settings.cuda_graphs
+            self.prefill = GraphedPrefill(
+                self.decoder, scratch=self.slots, pad_id=settings.pad_id, graphs=graphs
+            )
         if settings.compile and device.type == "cuda":
             self.forward = torch.compile(self.decoder.step, dynamic=False)
         long = {"dtype": torch.long, "device": device}
@@ -256,7 +267,8 @@ class _Engine:
     def _min_prefill_tokens(self) -> int:
         if self.settings.min_prefill_tokens is not None:
             return self.settings.min_prefill_tokens
-        return 0 if self.device.type == "cpu" else 16384
+        # A small eager forward costs its launches more than its compute; a graph replay costs neither.
+        return 0 if self.device.type == "cpu" or self.settings.prefill_graphs else 16384
 
     def _prefill(self, slots: list[int], chunk: list[Request]) -> None:
         width = max(len(request.prompt) for request in chunk)
@@ -267,7 +279,7 @@ class _Engine:
         lengths = torch.tensor([len(r.prompt) for r in chunk], dtype=torch.long, device=self.device)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         seeds = torch.tensor([r.seed for r in chunk], dtype=torch.long, device=self.device)
-        logits = self.decoder.prefill(index, ids, lengths)
+        logits = self.prefill(index, ids, lengths)
         first = pick_next(
             logits,
             temperature=self.settings.temperature,

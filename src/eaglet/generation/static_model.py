@@ -52,9 +52,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 class SlotDecoder:
-    """The target's forward for `slots` rows of at most `capacity` tokens each, over its own key/value cache."""
+    """The target's forward for `slots` rows of at most `capacity` tokens each, over its own key/value cache.
 
-    def __init__(self, model: torch.nn.Module, *, slots: int, capacity: int) -> None:
+    `spare` slots more are allocated past them: a prefill may write there (eaglet.generation.prefill_graphs puts
+    its padding rows in one); a decode step over n tokens reads slots 0..n-1 only.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, slots: int, capacity: int, spare: int = 0) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot decode over slots: {reason}")
@@ -74,7 +78,7 @@ class SlotDecoder:
         self.scale = float(getattr(attention, "scaling", self.head_dim**-0.5))
         self.slots, self.capacity = slots, capacity
         weight = self.embed.weight
-        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        shape = (slots + spare, self.kv_heads, capacity, self.head_dim)
         # Zeroed: a column no slot wrote yet must not be NaN, which the masked softmax would still spread.
         self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
@@ -101,7 +105,10 @@ class SlotDecoder:
             # q [S, 1, H, D], k/v [S, 1, KV, D]
             self.keys[index][slots, :, positions] = k[:, 0]
             self.values[index][slots, :, positions] = v[:, 0]
-            out = decode_attention(q[:, 0], self.keys[index], self.values[index], lengths, self.scale)
+            rows = tokens.shape[0]
+            out = decode_attention(
+                q[:, 0], self.keys[index][:rows], self.values[index][:rows], lengths, self.scale
+            )
             return out[:, None]
 
         hidden = self._layers(self.embed(tokens[:, None]), positions[:, None], attend)

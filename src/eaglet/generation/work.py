@@ -58,6 +58,10 @@ class DecodeSettings:
     # launches the (eager) prefill while the GPU decodes, at the cost of the freed slots sitting out that window
     # (the requests start one window later). Outputs are the same either way.
     overlap_prefill: bool = False
+    # The engine pads each prefill chunk to a bucket shape (rows to a power of two, width to a power of two or
+    # 1.5 times one) and replays that shape's CUDA graph, captured on first use, instead of launching the
+    # forward's kernels one by one (eaglet.generation.prefill_graphs). Outputs are the same.
+    prefill_graphs: bool = False
 
 
 def prefill_chunks(requests: list[Request], budget: int, min_tokens: int) -> list[list[Request]]:

@@ -1,0 +1,101 @@
+"""Prefill forwards of fixed shapes, replayed from CUDA graphs: the host launches one graph, not ~20 kernels a layer.
+
+An eager prefill of a small target is bound by the host: its forward is a few milliseconds of GPU work behind
+tens of milliseconds of kernel launches, and the engine prefills after every window. Here a chunk of prompts is
+padded to a bucket shape (rows and width rounded up), copied into that bucket's static inputs, and the bucket's
+graph - captured on first use - runs the forward. Padding rows write their keys and values to a scratch slot
+that no decode step reads; padding columns are never seen by a real token (causal attention) and are
+overwritten as the slot decodes, as in the eager prefill. Without CUDA graphs (CPU) the same padded forward runs
+eagerly, so the padding is tested where graphs cannot be.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglet.generation.static_model import SlotDecoder
+
+# Bucket widths: powers of two and 1.5 times them, so a prompt is padded by at most half its length.
+_MIN_WIDTH = 32
+
+
+def bucket_width(width: int) -> int:
+    """The smallest bucket width holding `width` tokens: 32, 48, 64, 96, 128, 192, ..."""
+    size = _MIN_WIDTH
+    while True:
+        if width <= size:
+            return size
+        if width <= size * 3 // 2:
+            return size * 3 // 2
+        size *= 2
+
+
+def bucket_rows(rows: int) -> int:
+    """The smallest power of two holding `rows` rows."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+class _Bucket:
+    """Static inputs and outputs of one (rows, width) shape, and its graph once captured."""
+
+    def __init__(self, rows: int, width: int, scratch: int, pad_id: int, device: torch.device) -> None:
+        self.ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+        self.lengths = torch.ones(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), scratch, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class GraphedPrefill:
+    """`decoder.prefill` over bucketed shapes; `graphs`: replay each shape's CUDA graph (else run it eagerly).
+
+    `scratch` is a slot of `decoder` that no request uses (the padding rows write there).
+    """
+
+    def __init__(self, decoder: SlotDecoder, *, scratch: int, pad_id: int, graphs: bool) -> None:
+        self.decoder, self.scratch, self.pad_id, self.graphs = decoder, scratch, pad_id, graphs
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+
+    def __call__(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] after each prompt, as `SlotDecoder.prefill(slots, ids, lengths)` gives them."""
+        rows, width = ids.shape
+        # The cache holds `capacity` columns a slot: no wider than that (a prompt always fits it).
+        bucket = self._bucket(bucket_rows(rows), min(bucket_width(width), self.decoder.capacity), ids.device)
+        bucket.ids.fill_(self.pad_id)
+        bucket.ids[:rows, :width] = ids
+        bucket.lengths.fill_(1)
+        bucket.lengths[:rows] = lengths
+        bucket.slots.fill_(self.scratch)
+        bucket.slots[:rows] = slots
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            bucket.logits = self._forward(bucket)
+            if self.graphs:
+                self._capture(bucket)
+        assert bucket.logits is not None
+        return bucket.logits[:rows]
+
+    def _bucket(self, rows: int, width: int, device: torch.device) -> _Bucket:
+        key = (rows, width)
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(rows, width, self.scratch, self.pad_id, device)
+        return self.buckets[key]
+
+    def _forward(self, bucket: _Bucket) -> torch.Tensor:
+        return self.decoder.prefill(bucket.slots, bucket.ids, bucket.lengths)
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Capture the bucket's forward after the eager run above (which compiled and warmed its kernels).
+
+        The graph's work during capture is not run; its inputs are the bucket's static tensors, refilled before
+        each replay. Buckets share one memory pool: the engine never runs two prefills at once.
+        """
+        torch.cuda.current_stream().synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket)
+        # The eager run's logits are this input's answer; the replays write the captured output.
+        logits.copy_(bucket.logits)
+        bucket.logits, bucket.graph = logits, graph
