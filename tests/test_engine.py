@@ -127,6 +127,25 @@ def test_a_bucketed_prefill_gives_the_plain_prefills_logits_and_cache() -> None:
         assert not padded.keys[layer][1].any(), "a slot no prompt went to was written"
 
 
+def test_a_prefill_graph_that_cannot_be_captured_leaves_the_prefills_eager(monkeypatch, caplog) -> None:
+    model = tiny("llama")
+    decoder = SlotDecoder(model, slots=2, capacity=64, spare=1)
+    bucketed = GraphedPrefill(decoder, scratch=2, pad_id=0, graphs=True)
+
+    def fail(bucket) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bucketed, "_capture", fail)
+    ids, lengths, slots = torch.tensor([[5, 6, 7]]), torch.tensor([3]), torch.tensor([1])
+    with torch.no_grad():
+        want = SlotDecoder(model, slots=2, capacity=64).prefill(slots, ids, lengths)
+        got = bucketed(slots, ids, lengths)
+        again = bucketed(slots, ids, lengths)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(again, want)
+    assert not bucketed.graphs and "prefill graphs off" in caplog.text
+
+
 def test_padding_rows_of_a_bucketed_prefill_leave_busy_slots_alone() -> None:
     # Prompts of one length prefill together: three rows run as a bucket of four, the fourth in the spare slot.
     model = tiny("llama", seed=2)

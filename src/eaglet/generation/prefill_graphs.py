@@ -11,9 +11,13 @@ eagerly, so the padding is tested where graphs cannot be.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from eaglet.generation.static_model import SlotDecoder
+
+log = logging.getLogger(__name__)
 
 # Bucket widths: powers of two and 1.5 times them, so a prompt is padded by at most half its length.
 _MIN_WIDTH = 32
@@ -55,7 +59,7 @@ class GraphedPrefill:
     def __init__(self, decoder: SlotDecoder, *, scratch: int, pad_id: int, graphs: bool) -> None:
         self.decoder, self.scratch, self.pad_id, self.graphs = decoder, scratch, pad_id, graphs
         self.buckets: dict[tuple[int, int], _Bucket] = {}
-        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.pool = None  # one memory pool for every bucket's graph, made at the first capture
 
     def __call__(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] after each prompt, as `SlotDecoder.prefill(slots, ids, lengths)` gives them."""
@@ -73,7 +77,15 @@ class GraphedPrefill:
         else:
             bucket.logits = self._forward(bucket)
             if self.graphs:
-                self._capture(bucket)
+                try:
+                    self._capture(bucket)
+                except RuntimeError as error:  # the forward is right either way: run it eagerly from here on
+                    log.warning(
+                        "prefill graphs off: capturing a %s prefill failed (%s)",
+                        tuple(bucket.ids.shape),
+                        error,
+                    )
+                    self.graphs = False
         assert bucket.logits is not None
         return bucket.logits[:rows]
 
@@ -93,6 +105,8 @@ class GraphedPrefill:
         each replay. Buckets share one memory pool: the engine never runs two prefills at once.
         """
         torch.cuda.current_stream().synchronize()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(bucket)
