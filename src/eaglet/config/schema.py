@@ -189,8 +189,9 @@ class RegenerateConfig:
     # same answers either way. Also for self-prompting and follow-ups.
     overlap_prefill: bool = False
     # The engine replays each prefill from a CUDA graph of its bucket shape (prompts padded to it) instead of
-    # launching its kernels one by one: the host's launches were most of the prefill's time. Same answers.
-    prefill_graphs: bool = False
+    # launching its kernels one by one: the host's launches were most of the prefill's time. Same answers;
+    # 1.20x the new tokens/s on one H200 (experiments/BENCHMARKS.md). A capture that fails falls back to eager.
+    prefill_graphs: bool = True
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
     # Model name to request; null = the one model the endpoint lists at /v1/models.
