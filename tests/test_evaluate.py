@@ -26,6 +26,8 @@ from eaglet.evaluate import (
     greedy_decode,
     speculative_decode,
 )
+from eaglet.evaluate.metrics import format_positions
+from eaglet.evaluate.positions import chain_logits, position_counts, position_summary
 from eaglet.formats.reader import load_eagle_draft
 from eaglet.formats.writer import export_eagle
 from eaglet.generation import decode_batch
@@ -378,7 +380,8 @@ def _training_logits(head: Eagle3DraftHead, doc: dict[str, torch.Tensor]) -> lis
         )
     finally:
         del head.logits
-    assert [r.shape[0] for r in recorded] == [T - 2 - k for k in range(STEPS)]
+    n = doc["input_ids"].shape[0]
+    assert [r.shape[0] for r in recorded] == [n - 2 - k for k in range(STEPS)]
     return recorded
 
 
@@ -404,6 +407,65 @@ def test_incremental_draft_inference_matches_training(norm_before_residual: bool
                 break
             hidden = drafter.chain_step(ids[t + 1 + k : t + 2 + k], hidden)
             torch.testing.assert_close(head.logits(hidden)[0], training[k][t], rtol=1e-9, atol=1e-10)
+
+
+def test_position_accuracy_scores_what_training_predicts() -> None:
+    """eval.position_accuracy: per answer position and step, the head's guess is the one TTT makes there (the
+    chain sees no later position), and acc_k counts only positions whose earlier steps were right."""
+    head, gen = _small_head(False), torch.Generator().manual_seed(11)
+    n, answer_start = 18, 5
+    aux = torch.randn(n, 3, H, generator=gen, dtype=torch.float64)
+    # Answer tokens: mostly the head's own step-0 guess (so steps are often right), every third one random.
+    tokens = torch.randint(0, V, (answer_start,), generator=gen).tolist()
+    drafter = Eagle3Drafter(head)
+    while len(tokens) < n:
+        drafter.reset()
+        hidden = drafter.append_context(torch.tensor(tokens[1:]), aux[: len(tokens) - 1])[-1:]
+        guess = int(head.draft_target_ids[head.logits(hidden).argmax(-1)])
+        tokens.append(guess if len(tokens) % 3 else int(torch.randint(0, V, (1,), generator=gen)))
+    doc = {
+        "input_ids": torch.tensor(tokens),
+        "loss_mask": torch.ones(n, dtype=torch.bool),  # training's guesses at every position; scored below
+        "document_ids": torch.zeros(n, dtype=torch.int64),
+        "position_ids": torch.arange(n),
+        "aux_hidden_states": aux.view(n, 3 * H),
+        "last_hidden_state": torch.randn(n, H, generator=gen, dtype=torch.float64),
+    }
+    training = _training_logits(head, doc)
+    for t in range(n - 2):  # the chain at t sees no later position: its logits are training's
+        expected = torch.stack([training[k][t] for k in range(min(STEPS, n - 2 - t))])
+        got = chain_logits(drafter, torch.tensor(tokens), aux[: n - 1], t, STEPS)
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+    guesses = [head.draft_target_ids[logits.argmax(-1)].tolist() for logits in training]
+    right, scored = [0] * STEPS, [0] * STEPS
+    for t in range(answer_start - 2, n - 2):
+        for k in range(min(STEPS, n - 2 - t)):
+            scored[k] += 1
+            if guesses[k][t] != tokens[t + 2 + k]:
+                break
+            right[k] += 1
+    assert position_counts(drafter, tokens, aux[: n - 1], answer_start, STEPS) == (right, scored)
+    assert scored[0] == n - answer_start and 0 < right[0] < scored[0] and right[1] > 0
+    summary = position_summary(right, scored)
+    acc = [r / s for r, s in zip(right, scored, strict=True)]
+    assert summary["accuracy"] == acc and summary["positions"] == n - answer_start
+    assert summary["tau_sim"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
+
+
+def test_evaluation_scores_positions_when_asked(target, eagle_head, capsys) -> None:
+    head, aux_ids = eagle_head
+    proposers = {"ngram": NgramProposer(), "eagle3": Eagle3Proposer(head, aux_ids)}
+    prompts = _prompts()[1:3]
+    results = evaluate_prompts(
+        target, proposers, prompts, num_spec_tokens=3, max_new_tokens=6, position_accuracy=True
+    )
+    assert "positions" not in results["ngram"]
+    answers = sum(len(greedy_decode(target, p, 6)[0]) for p in prompts)
+    positions = results["eagle3"]["positions"]
+    assert positions["positions"] == answers and len(positions["accuracy"]) == 3
+    assert "eagle3, per answer position as in validation: acc_k" in format_positions(results)
+    plain = evaluate_prompts(target, proposers, prompts, num_spec_tokens=3, max_new_tokens=6)
+    assert "positions" not in plain["eagle3"] and plain["eagle3"]["tau"] == results["eagle3"]["tau"]
 
 
 def test_greedy_chain_feeds_back_its_own_target_ids() -> None:

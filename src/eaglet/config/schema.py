@@ -439,6 +439,10 @@ class EvalConfig:
     # bf16 targets may round a K+1-token verification differently from a 1-token step: top-2 logit gaps
     # below this count as near-ties instead of failing the lossless check. 0 = exact (fp32).
     tie_tolerance: float = 0.0
+    # Also score each EAGLE head at every position of the greedy answers, as validation does (acc_k, tau_sim):
+    # near val/acc_k on prompts like the training ones but not on these, the prompts differ, not the features
+    # (eaglet.evaluate.positions). Its cost grows with the square of max_new_tokens.
+    position_accuracy: bool = False
     # Prompt sets by name, each an EvalSetConfig. A plain mapping here, so that a new set can be added from
     # the command line (+eval.set_defs.z.path=/x.jsonl); each entry is checked after composition
     # (eaglet.config.eval_sets).

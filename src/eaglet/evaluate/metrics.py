@@ -15,7 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglet.evaluate.acceptance import DecodeStats
-from eaglet.evaluate.proposers import Proposer
+from eaglet.evaluate.positions import position_counts, position_summary, sequence_aux_states
+from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
 from eaglet.evaluate.speculative import LosslessError, greedy_decode, speculative_decode
 from eaglet.target_model import LoadedTarget
 
@@ -48,10 +49,13 @@ def evaluate_prompts(
     max_new_tokens: int,
     stop_ids: Collection[int] = (),
     tie_tolerance: float = 0.0,
+    position_accuracy: bool = False,
     desc: str = "evaluate",
 ) -> dict[str, dict[str, Any]]:
     """Per proposer name: tau, acceptance_rates (per draft position), tokens_per_forward, speedup (greedy
-    seconds / speculative seconds, same prompts, same machine), and the raw counts behind them.
+    seconds / speculative seconds, same prompts, same machine), and the raw counts behind them. With
+    `position_accuracy`, each EAGLE proposer also gets "positions": validation's per-position accuracy on the
+    greedy answers (eaglet.evaluate.positions).
 
     A progress bar labelled `desc` advances once per prompt (greedy plus every proposer)."""
     if not prompts:
@@ -69,11 +73,22 @@ def evaluate_prompts(
         )
     # Prompt by prompt, greedy then every proposer: a load change on the machine hits all of them alike.
     totals = {name: DecodeStats() for name in proposers}
+    scoring = {n: p for n, p in proposers.items() if position_accuracy and isinstance(p, Eagle3Proposer)}
+    position_totals = {name: ([0] * num_spec_tokens, [0] * num_spec_tokens) for name in scoring}
     near_ties = dict.fromkeys(proposers, 0)
     greedy_seconds = 0.0
     for index, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
         reference, seconds = greedy_decode(target, prompt, max_new_tokens, stop_ids)
         greedy_seconds += seconds
+        for name, proposer in scoring.items():
+            tokens = [*prompt, *reference]
+            aux = sequence_aux_states(target, proposer.aux_layer_ids, tokens)
+            right, scored = position_counts(proposer.drafter, tokens, aux, len(prompt), num_spec_tokens)
+            total_right, total_scored = position_totals[name]
+            position_totals[name] = (
+                [a + b for a, b in zip(total_right, right, strict=True)],
+                [a + b for a, b in zip(total_scored, scored, strict=True)],
+            )
         for name, proposer in proposers.items():
             output, stats = speculative_decode(
                 target,
@@ -110,6 +125,8 @@ def evaluate_prompts(
             "greedy_seconds": greedy_seconds,
             "near_ties": near_ties[name],
         }
+        if name in position_totals:
+            results[name]["positions"] = position_summary(*position_totals[name])
     return results
 
 
@@ -165,6 +182,20 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         )
         row = [name, f"{r['tau']:.2f}", *rates, _number(r["tokens_per_forward"]), _number(r["speedup"], "x")]
         lines.append("| " + " | ".join([*row, str(r["new_tokens"])]) + " |")
+    return "\n".join(lines)
+
+
+def format_positions(results: dict[str, dict[str, Any]]) -> str:
+    """One line per proposer scored position by position (validation's metric on these answers); "" if none."""
+    lines = []
+    for name, r in results.items():
+        if "positions" in r:
+            p = r["positions"]
+            accuracy = " / ".join(f"{a:.3f}" for a in p["accuracy"])
+            lines.append(
+                f"{name}, per answer position as in validation: acc_k {accuracy}, tau_sim {p['tau_sim']:.2f} "
+                f"({p['positions']} positions)"
+            )
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from eaglet.config.choices import EvalBackend
 from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError, DataError
-from eaglet.evaluate.metrics import evaluate_prompts, format_table
+from eaglet.evaluate.metrics import evaluate_prompts, format_positions, format_table
 from eaglet.evaluate.prompts import check_run_target, load_prompt_sets
 from eaglet.evaluate.proposers import Eagle3Proposer, NgramProposer, Proposer
 from eaglet.formats import serving
@@ -71,11 +71,14 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
             max_new_tokens=ev.max_new_tokens,
             stop_ids=stop_ids,
             tie_tolerance=ev.tie_tolerance,
+            position_accuracy=ev.position_accuracy,
             desc=name,
         )
         results["sets"][name] = {"prompts": len(prompts), "overlap_dropped": overlap, "results": per_proposer}
         print(f"\n{name}: {len(prompts)} prompts ({overlap} overlapping training prompts dropped)")
         print(format_table(per_proposer))
+        if ev.position_accuracy:
+            print(format_positions(per_proposer))
     atomic_write_json(run.results_file, results)
     return results
 
