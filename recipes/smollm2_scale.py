@@ -24,8 +24,8 @@ H200 time: the data measured 14 minutes (850 s, 2026-12-04), online training 136
 its 69M tokens); evaluation 8.5 s a prompt on the GPU with the fp32 target (measured 2026-12-04), so
 eval_prompts=20 (80 prompts) takes ~11 minutes there and the head is best evaluated on another machine when the
 session is short (it comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Estimated for the
-other rows: scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to tokenize), greedy_only
-~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
+other rows: scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to
+tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
 then an evaluation). Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
 on a bare machine) the data and the main head fit; the other rows take further sessions.
 

@@ -80,9 +80,12 @@ def evaluate_prompts(
     for index, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
         reference, seconds = greedy_decode(target, prompt, max_new_tokens, stop_ids)
         greedy_seconds += seconds
+        tokens, aux_by_layers = [*prompt, *reference], {}
         for name, proposer in scoring.items():
-            tokens = [*prompt, *reference]
-            aux = sequence_aux_states(target, proposer.aux_layer_ids, tokens)
+            layers = tuple(proposer.aux_layer_ids)  # one target forward for heads that read the same layers
+            if layers not in aux_by_layers:
+                aux_by_layers[layers] = sequence_aux_states(target, layers, tokens)
+            aux = aux_by_layers[layers]
             right, scored = position_counts(proposer.drafter, tokens, aux, len(prompt), num_spec_tokens)
             total_right, total_scored = position_totals[name]
             position_totals[name] = (

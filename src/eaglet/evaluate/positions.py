@@ -33,8 +33,9 @@ def sequence_aux_states(target: LoadedTarget, aux_layer_ids: Sequence[int], toke
 
 @torch.inference_mode()
 def chain_logits(drafter: Eagle3Drafter, tokens: Tensor, aux: Tensor, position: int, steps: int) -> Tensor:
-    """The head's draft-vocab logits [s, V_d] at `position` t for steps k < s = min(steps, len(tokens) - 2 - t):
-    context up to t, chain entries fed the true tokens[t + 1 + k], as TTT step k computes them."""
+    """The head's draft-vocab logits [s, V_d] at `position` t <= len(tokens) - 3 for steps k < s =
+    min(steps, len(tokens) - 2 - t): context up to t, chain entries fed the true tokens[t + 1 + k], as TTT step k
+    computes them."""
     drafter.reset()
     hidden = drafter.append_context(tokens[1 : position + 2], aux[: position + 1])[-1:]
     logits = []
@@ -43,7 +44,7 @@ def chain_logits(drafter: Eagle3Drafter, tokens: Tensor, aux: Tensor, position: 
             hidden = drafter.chain_step(tokens[position + 1 + k : position + 2 + k], hidden)
         logits.append(drafter.head.logits(hidden)[0])
     drafter.reset()
-    return torch.stack(logits) if logits else aux.new_zeros(0, drafter.head.lm_head.out_features)
+    return torch.stack(logits)
 
 
 def position_counts(
