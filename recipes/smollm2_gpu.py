@@ -48,7 +48,7 @@ TRIALS: dict[str, list[str]] = {
 OPTS = {"experiment": "smollm2_gpu", "stages": "data,sweep,final", "out": "outputs/smollm2_gpu", "gpus": "", "per_gpu": "4",
         "sweep_epochs": "1", "final_epochs": "12", "sweep_prompts": "10", "final_prompts": "all", "final_trial": "",
         "trials": ",".join(TRIALS),
-        "eval_device": "cuda", "extra": ""}  # fmt: skip
+        "eval_device": "cuda", "eval_workers": "1", "extra": ""}  # fmt: skip
 # `experiment`: the experiments/ config every command runs with (src/eaglet/conf/experiments/).
 # `extra`: overrides for every command (a trial's own win over them), e.g. a CPU smoke run:
 # extra="hardware=cpu dataset=default ...".
@@ -128,8 +128,10 @@ def evaluate(
     """evaluate.py on `run`'s head against the real target beside n-gram lookup (`prompts` per set, None: all),
     written to <run>/eval.json; `extra`: more overrides (eval.baseline_draft=...). Its results."""
     limit = [] if prompts is None else [f"eval.prompts_per_set={prompts}"]
+    # Processes side by side on the GPU (eval.workers); on the CPU one, whose threads already use every core.
+    workers = opts.get("eval_workers", "1") if opts["eval_device"] != "cpu" else "1"
     cmd = [sys.executable, "-u", "evaluate.py", *common, f"eval.run={run}", f"eval.device={opts['eval_device']}",
-           "model.dtype=float32", *limit, *extra, f"hydra.run.dir={run}/eval"]  # fmt: skip
+           f"eval.workers={workers}", "model.dtype=float32", *limit, *extra, f"hydra.run.dir={run}/eval"]  # fmt: skip
     sh(cmd, run / "log.txt", gpu, deadline)
     return json.loads(RunDir(run).results_file.read_text())
 

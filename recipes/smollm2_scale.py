@@ -15,15 +15,17 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 - shared_only: shared prompts only (no self-prompted ones), `small_tokens` tokens: against scale_small.
 - greedy_only: greedy answers only (no sampled ones), `mid_tokens` tokens: against scale_mid.
 - ttt7:   K = 7 training steps instead of 5, `mid_tokens` tokens: against scale_mid.
+- vocab16384: a draft vocab of 16384 instead of 8192, `mid_tokens` tokens: against scale_mid.
 - speculators: the speculators package's head on the data and steps of `speculators_row`
           (benchmarks/side_by_side_speculators.py), evaluated beside that row's head in the same run.
 The report, <out>/scale.md (and scale.json), lists τ per set, per-position acceptance and the lossless count for
 every row, the n-gram baseline, the ratios against the goal, and what was not run.
 
 H200 time: the data measured 14 minutes (850 s, 2026-12-04), online training 136K tokens/s (~8.5 min an epoch of
-its 69M tokens); evaluation 8.5 s a prompt on the GPU with the fp32 target (measured 2026-12-04), so
-eval_prompts=20 (80 prompts) takes ~11 minutes there and the head is best evaluated on another machine when the
-session is short (it comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Estimated for the
+its 69M tokens); evaluation 8.5 s a prompt on the GPU with the fp32 target in one process (measured 2026-12-04:
+eval_prompts=20, 80 prompts, ~11 minutes), now `eval_workers` processes side by side (on the GPU not measured
+yet: benchmarks/bench_eval_workers.py; on 2 CPU cores no gain). A head can
+also be evaluated on another machine (it comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Estimated for the
 other rows: scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to
 tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
 then an evaluation). Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
@@ -69,14 +71,15 @@ from eaglet.shards.manifest import MANIFEST_FILE
 
 OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
-        "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "gpu": "0",
+        "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "8", "gpu": "0",
         "extra": "", "budget_s": "0", "train_tokens_per_s": "105000", "eval_reserve_s": "300"}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
 # `train_tokens_per_s`: online training's rate on one H200 at the experiment's settings over the whole stage,
 # compile, validations and checkpoints included (105K measured in the recipe, experiments/BENCHMARKS.md; 136K
 # steady, which left a planned schedule 79% done at trainer.max_time_s); `eval_reserve_s`: the head's last
-# validation, export and evaluation.
+# validation, export and evaluation; `eval_workers`: evaluation processes side by side on the GPU (eval.workers;
+# one when eval_device=cpu).
 BUDGET_FILE = "budget.json"
 
 # Token stores: what each changes against the experiment's data (under <out>/tokens/<name>). Answers are reused
@@ -109,6 +112,11 @@ ROWS: dict[str, Row] = {
     "greedy_only": Row("greedy answers only", store="greedy_only", tokens="mid_tokens", against="scale_mid"),
     "ttt7": Row(
         "K = 7 TTT steps", overrides=("trainer.ttt_steps=7",), tokens="mid_tokens", against="scale_mid"
+    ),
+    # Chat answers repeat the prompt's rare words (names, terms), which a small draft vocab cannot propose: 7.9%
+    # of the target's chat answer tokens fall outside the 8192-token vocab, 2% of its code's (BENCHMARKS.md).
+    "vocab16384": Row(
+        "draft vocab 16384", overrides=("draft.vocab_size=16384",), tokens="mid_tokens", against="scale_mid"
     ),
 }
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_train import shards, train_overrides  # noqa: F401  (module fixture: shards by the real extraction)
 
-from eaglet.errors import ConfigError, DataError
+from eaglet.errors import ConfigError, DataError, EagletError
 from eaglet.evaluate.stage import plot_acceptance, run_evaluation, serve_commands
 from eaglet.export.stage import run_export
 from eaglet.formats.contract import check_speculators_folder
@@ -55,6 +55,39 @@ def test_evaluation_reports_both_proposers_and_stays_lossless(compose, shards, r
     assert json.loads((run_dir / "eval.json").read_text())["num_spec_tokens"] == 3
     assert plot_acceptance(results, run_dir / "acceptance.png").stat().st_size > 1000
     assert '"num_speculative_tokens": 3' in serve_commands(run_dir, 3)
+
+
+def _counts(results: dict) -> dict:
+    """Every figure of eval.json but the clock's."""
+    timed = {"speedup", "seconds", "greedy_seconds"}
+    return {
+        name: {p: {k: v for k, v in r.items() if k not in timed} for p, r in entry["results"].items()}
+        for name, entry in results["sets"].items()
+    }
+
+
+def test_worker_processes_count_what_one_process_counts(compose, shards, run_dir: Path) -> None:  # noqa: F811
+    """eval.workers=2: prompts decoded in two spawned processes, each with its own target, give the counts of
+    one process, per set and proposer (acceptance, tokens, forwards, per-position accuracy, near-ties)."""
+    settings = ("eval.prompts_per_set=3", "eval.position_accuracy=true")
+    alone = run_evaluation(compose(*eval_overrides(shards, run_dir, *settings)))
+    side_by_side = run_evaluation(compose(*eval_overrides(shards, run_dir, *settings, "eval.workers=2")))
+    assert _counts(side_by_side) == _counts(alone)
+    assert all(e["prompts"] == 3 for e in side_by_side["sets"].values())
+    assert all(r["seconds"] > 0 for e in side_by_side["sets"].values() for r in e["results"].values())
+
+
+def test_a_worker_that_cannot_start_stops_the_evaluation_with_a_hint(
+    compose,
+    shards,  # noqa: F811
+    run_dir: Path,
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "no_such_head"
+    with pytest.raises(EagletError, match="evaluation process stopped.*smaller eval.workers"):
+        run_evaluation(
+            compose(*eval_overrides(shards, run_dir, "eval.workers=2", f"eval.baseline_draft={missing}"))
+        )
 
 
 def test_prompts_seen_in_training_are_dropped(compose, shards, run_dir: Path) -> None:  # noqa: F811
@@ -124,6 +157,8 @@ def test_an_unfinished_run_is_named_by_the_stage_key(compose, tmp_path: Path) ->
         (["eval.sets=[nope]"], ConfigError, "nope"),
         (["eval.sets=[]"], ConfigError, "eval.sets is empty"),
         (["eval.set_defs.code.skip=100000"], DataError, "no records after"),
+        (["eval.workers=0"], ConfigError, "eval.workers"),
+        (["eval.workers=2", "eval.backend=vllm_server"], ConfigError, "eval.workers=2 applies to"),
     ],
 )
 def test_bad_evaluation_settings(compose, shards, run_dir: Path, extra, error, match) -> None:  # noqa: F811

@@ -271,7 +271,13 @@ def check_eval(ev: EvalConfig) -> None:
         "max_new_tokens": ev.max_new_tokens,
         "ngram_min_n": ev.ngram_min_n,
     }
+    counts["workers"] = ev.workers
     at_least("eval", counts, 1)
+    if ev.workers > 1 and ev.backend != EvalBackend.in_process:
+        raise ConfigError(
+            f"eval.workers={ev.workers} applies to eval.backend=in_process; with eval.backend={ev.backend.value} "
+            "a serving engine decodes the prompts; drop eval.workers (1)"
+        )
     at_least("eval", {"prompts_per_set": ev.prompts_per_set}, 1, hint=" (null = each set's count)")
     if ev.ngram_max_n < ev.ngram_min_n:
         raise ConfigError(f"eval.ngram_max_n={ev.ngram_max_n} must be >= eval.ngram_min_n={ev.ngram_min_n}")

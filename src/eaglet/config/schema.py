@@ -436,6 +436,11 @@ class EvalConfig:
     backend: EvalBackend = EvalBackend.in_process
     server: EvalServerConfig = field(default_factory=EvalServerConfig)
     device: str = "auto"
+    # Processes that evaluate prompts side by side (eval.backend=in_process), each with its own copy of the target
+    # (on several GPUs, spread over them). One prompt's decoding keeps a GPU mostly idle (kernel launches and
+    # Python bound it), so on a GPU N processes go ~N times as fast until the GPU or the cores are busy; on a
+    # CPU, keep 1 (the cores are already shared). Counts are those of one process.
+    workers: int = 1
     # bf16 targets may round a K+1-token verification differently from a 1-token step: top-2 logit gaps
     # below this count as near-ties instead of failing the lossless check. 0 = exact (fp32).
     tie_tolerance: float = 0.0

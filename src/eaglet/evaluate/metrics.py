@@ -9,6 +9,7 @@ may round differently from a 1-token one); such near-ties are counted instead.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,80 +41,95 @@ def top2_gap(target: LoadedTarget, ids: Sequence[int]) -> float:
     return float(top[0] - top[1])
 
 
-def evaluate_prompts(
+@dataclass
+class PromptOutcome:
+    """One prompt's counts, per proposer name: what `summarize` sums over a set (in any order, from any process)."""
+
+    greedy_seconds: float
+    stats: dict[str, DecodeStats]
+    near_ties: dict[str, int]
+    # (right, scored) per draft step, for the EAGLE proposers scored position by position.
+    positions: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+
+def warm_up(
     target: LoadedTarget,
     proposers: dict[str, Proposer],
-    prompts: list[list[int]],
+    prompt: list[int],
     *,
+    num_spec_tokens: int,
+    max_new_tokens: int,
+    stop_ids: Collection[int] = (),
+) -> None:
+    """Untimed decoding of a few tokens: first calls pay for lazy initialisation (allocator, kernels, CUDA
+    context), which must not count against whichever loop runs first."""
+    tokens = min(_WARMUP_TOKENS, max_new_tokens)
+    greedy_decode(target, prompt, tokens, stop_ids)
+    for proposer in proposers.values():
+        speculative_decode(
+            target,
+            proposer,
+            prompt,
+            num_spec_tokens=num_spec_tokens,
+            max_new_tokens=tokens,
+            stop_ids=stop_ids,
+        )
+
+
+def evaluate_prompt(
+    target: LoadedTarget,
+    proposers: dict[str, Proposer],
+    prompt: list[int],
+    *,
+    index: int,
     num_spec_tokens: int,
     max_new_tokens: int,
     stop_ids: Collection[int] = (),
     tie_tolerance: float = 0.0,
     position_accuracy: bool = False,
-    desc: str = "evaluate",
-) -> dict[str, dict[str, Any]]:
-    """Per proposer name: tau, acceptance_rates (per draft position), tokens_per_forward, speedup (greedy
-    seconds / speculative seconds, same prompts, same machine), and the raw counts behind them. With
-    `position_accuracy`, each EAGLE proposer also gets "positions": validation's per-position accuracy on the
-    greedy answers (eaglet.evaluate.positions).
-
-    A progress bar labelled `desc` advances once per prompt (greedy plus every proposer)."""
-    if not prompts:
-        return {}
-    # Untimed warm-up: first calls pay for lazy initialisation (allocator, kernels, CUDA context).
-    greedy_decode(target, prompts[0], min(_WARMUP_TOKENS, max_new_tokens), stop_ids)
-    for proposer in proposers.values():
-        speculative_decode(
+) -> PromptOutcome:
+    """Greedy decoding of `prompt`, then every proposer's speculative decoding of it, checked lossless against
+    the greedy output (`index` names the prompt in a LosslessError). Greedy first, then the proposers, prompt by
+    prompt: a load change on the machine hits all of them alike."""
+    reference, greedy_seconds = greedy_decode(target, prompt, max_new_tokens, stop_ids)
+    outcome = PromptOutcome(greedy_seconds, stats={}, near_ties={})
+    if position_accuracy:
+        tokens, aux_by_layers = [*prompt, *reference], {}
+        for name, proposer in proposers.items():
+            if isinstance(proposer, Eagle3Proposer):
+                layers = tuple(
+                    proposer.aux_layer_ids
+                )  # one target forward for heads that read the same layers
+                if layers not in aux_by_layers:
+                    aux_by_layers[layers] = sequence_aux_states(target, layers, tokens)
+                outcome.positions[name] = position_counts(
+                    proposer.drafter, tokens, aux_by_layers[layers], len(prompt), num_spec_tokens
+                )
+    for name, proposer in proposers.items():
+        output, outcome.stats[name] = speculative_decode(
             target,
             proposer,
-            prompts[0],
+            prompt,
             num_spec_tokens=num_spec_tokens,
-            max_new_tokens=min(_WARMUP_TOKENS, max_new_tokens),
+            max_new_tokens=max_new_tokens,
             stop_ids=stop_ids,
         )
-    # Prompt by prompt, greedy then every proposer: a load change on the machine hits all of them alike.
-    totals = {name: DecodeStats() for name in proposers}
-    scoring = {n: p for n, p in proposers.items() if position_accuracy and isinstance(p, Eagle3Proposer)}
-    position_totals = {name: ([0] * num_spec_tokens, [0] * num_spec_tokens) for name in scoring}
-    near_ties = dict.fromkeys(proposers, 0)
-    greedy_seconds = 0.0
-    for index, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
-        reference, seconds = greedy_decode(target, prompt, max_new_tokens, stop_ids)
-        greedy_seconds += seconds
-        tokens, aux_by_layers = [*prompt, *reference], {}
-        for name, proposer in scoring.items():
-            layers = tuple(proposer.aux_layer_ids)  # one target forward for heads that read the same layers
-            if layers not in aux_by_layers:
-                aux_by_layers[layers] = sequence_aux_states(target, layers, tokens)
-            aux = aux_by_layers[layers]
-            right, scored = position_counts(proposer.drafter, tokens, aux, len(prompt), num_spec_tokens)
-            total_right, total_scored = position_totals[name]
-            position_totals[name] = (
-                [a + b for a, b in zip(total_right, right, strict=True)],
-                [a + b for a, b in zip(total_scored, scored, strict=True)],
-            )
-        for name, proposer in proposers.items():
-            output, stats = speculative_decode(
-                target,
-                proposer,
-                prompt,
-                num_spec_tokens=num_spec_tokens,
-                max_new_tokens=max_new_tokens,
-                stop_ids=stop_ids,
-            )
-            near_ties[name] += check_lossless(
-                target,
-                prompt,
-                reference,
-                output,
-                tie_tolerance=tie_tolerance,
-                proposer=name,
-                prompt_index=index,
-            )
-            totals[name] = totals[name] + stats
+        outcome.near_ties[name] = check_lossless(
+            target, prompt, reference, output, tie_tolerance=tie_tolerance, proposer=name, prompt_index=index
+        )
+    return outcome
 
+
+def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[str, dict[str, Any]]:
+    """Per proposer name: tau, acceptance_rates (per draft position), tokens_per_forward, speedup (greedy
+    seconds / speculative seconds over the same prompts), the raw counts behind them, and "positions"
+    (eaglet.evaluate.positions) for the proposers scored position by position."""
+    if not outcomes:
+        return {}
+    greedy_seconds = sum(o.greedy_seconds for o in outcomes)
     results: dict[str, dict[str, Any]] = {}
-    for name, total in totals.items():
+    for name in outcomes[0].stats:
+        total = sum((o.stats[name] for o in outcomes), DecodeStats())
         results[name] = {
             "tau": total.tau,
             "acceptance_rates": [total.acceptance_rate(i) for i in range(num_spec_tokens)],
@@ -126,11 +142,49 @@ def evaluate_prompts(
             "target_forwards": total.target_forwards,
             "seconds": total.seconds,
             "greedy_seconds": greedy_seconds,
-            "near_ties": near_ties[name],
+            "near_ties": sum(o.near_ties[name] for o in outcomes),
         }
-        if name in position_totals:
-            results[name]["positions"] = position_summary(*position_totals[name])
+        if name in outcomes[0].positions:
+            right = [sum(o.positions[name][0][k] for o in outcomes) for k in range(num_spec_tokens)]
+            scored = [sum(o.positions[name][1][k] for o in outcomes) for k in range(num_spec_tokens)]
+            results[name]["positions"] = position_summary(right, scored)
     return results
+
+
+def evaluate_prompts(
+    target: LoadedTarget,
+    proposers: dict[str, Proposer],
+    prompts: list[list[int]],
+    *,
+    num_spec_tokens: int,
+    max_new_tokens: int,
+    stop_ids: Collection[int] = (),
+    tie_tolerance: float = 0.0,
+    position_accuracy: bool = False,
+    desc: str = "evaluate",
+) -> dict[str, dict[str, Any]]:
+    """`summarize` of every prompt's `evaluate_prompt`, in this process, after a warm-up. With
+    `position_accuracy`, each EAGLE proposer also gets "positions": validation's per-position accuracy on the
+    greedy answers (eaglet.evaluate.positions).
+
+    A progress bar labelled `desc` advances once per prompt (greedy plus every proposer)."""
+    if not prompts:
+        return {}
+    settings = {"num_spec_tokens": num_spec_tokens, "max_new_tokens": max_new_tokens, "stop_ids": stop_ids}
+    warm_up(target, proposers, prompts[0], **settings)
+    outcomes = [
+        evaluate_prompt(
+            target,
+            proposers,
+            prompt,
+            index=index,
+            tie_tolerance=tie_tolerance,
+            position_accuracy=position_accuracy,
+            **settings,
+        )
+        for index, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt"))
+    ]
+    return summarize(outcomes, num_spec_tokens)
 
 
 def check_lossless(

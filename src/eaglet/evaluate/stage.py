@@ -8,27 +8,14 @@ from typing import Any
 from eaglet.config.choices import EvalBackend
 from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError, DataError
+from eaglet.evaluate.loading import load_evaluator
 from eaglet.evaluate.metrics import evaluate_prompts, format_positions, format_table
 from eaglet.evaluate.prompts import check_run_target, load_prompt_sets
-from eaglet.evaluate.proposers import Eagle3Proposer, NgramProposer, Proposer
+from eaglet.evaluate.workers import evaluate_in_workers
 from eaglet.formats import serving
-from eaglet.formats.reader import load_eagle_draft
 from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir
-from eaglet.target_model import LoadedTarget, load_target
-
-
-def build_proposers(cfg: EagletConfig, run: RunDir, target: LoadedTarget) -> dict[str, Proposer]:
-    embed = target.parts.embed_tokens.weight.detach().float().cpu()
-    head, _, aux_ids = load_eagle_draft(run.draft_dir, embed_tokens=embed)
-    proposers: dict[str, Proposer] = {
-        "eaglet": Eagle3Proposer(head.to(target.device), aux_ids),
-        "ngram": NgramProposer(min_n=cfg.eval.ngram_min_n, max_n=cfg.eval.ngram_max_n),
-    }
-    if cfg.eval.baseline_draft:
-        other, _, other_ids = load_eagle_draft(cfg.eval.baseline_draft, embed_tokens=embed)
-        proposers["baseline"] = Eagle3Proposer(other.to(target.device), other_ids)
-    return proposers
+from eaglet.target_model.loader import load_tokenizer
 
 
 def evaluated_run(cfg: EagletConfig) -> RunDir:
@@ -57,23 +44,29 @@ def run_evaluation(cfg: EagletConfig) -> dict[str, Any]:
         from eaglet.evaluate.server_stage import run_server_evaluation
 
         return run_server_evaluation(cfg, run)
-    target = load_target(cfg.model, device=ev.device, cache_dir=Path(cfg.paths.cache_dir))
-    prompt_sets = load_prompt_sets(cfg, target.tokenizer)
-    proposers = build_proposers(cfg, run, target)
-    stop_ids = {target.tokenizer.eos_token_id}
+    if ev.workers > 1:
+        prompt_sets = load_prompt_sets(cfg, load_tokenizer(cfg.model, Path(cfg.paths.cache_dir)))
+        per_set = evaluate_in_workers(cfg, run, prompt_sets)
+    else:
+        evaluator = load_evaluator(cfg, run, ev.device)
+        prompt_sets = load_prompt_sets(cfg, evaluator.target.tokenizer)
+        per_set = {
+            name: evaluate_prompts(
+                evaluator.target,
+                evaluator.proposers,
+                prompts,
+                num_spec_tokens=ev.num_spec_tokens,
+                max_new_tokens=ev.max_new_tokens,
+                stop_ids=evaluator.stop_ids,
+                tie_tolerance=ev.tie_tolerance,
+                position_accuracy=ev.position_accuracy,
+                desc=name,
+            )
+            for name, (prompts, _) in prompt_sets.items()
+        }
     results: dict[str, Any] = {"run": str(run.path), "num_spec_tokens": ev.num_spec_tokens, "sets": {}}
     for name, (prompts, overlap) in prompt_sets.items():
-        per_proposer = evaluate_prompts(
-            target,
-            proposers,
-            prompts,
-            num_spec_tokens=ev.num_spec_tokens,
-            max_new_tokens=ev.max_new_tokens,
-            stop_ids=stop_ids,
-            tie_tolerance=ev.tie_tolerance,
-            position_accuracy=ev.position_accuracy,
-            desc=name,
-        )
+        per_proposer = per_set[name]
         results["sets"][name] = {"prompts": len(prompts), "overlap_dropped": overlap, "results": per_proposer}
         print(f"\n{name}: {len(prompts)} prompts ({overlap} overlapping training prompts dropped)")
         print(format_table(per_proposer))
