@@ -11,7 +11,8 @@ training data path (ShardDataModule / TokenDataModule: memory maps, packing into
 micro-batches, bench.loader_threads loader threads, side-stream copies to the GPU), in the same order, and
 trained for bench.warmup + bench.steps micro-batches each with the real module (forward, backward, AdamW;
 bf16 autocast on GPUs), from the same initial head. Online, the module runs the frozen target on every
-micro-batch inside the step. The row gives tokens/s of each (wall clock over the measured steps), their
+micro-batch inside the step, then again with the loader running it on its copy stream, one micro-batch
+ahead (trainer.online_overlap). The row gives tokens/s of each (wall clock over the measured steps), their
 ratio, the target's packed forward alone on the same micro-batches, and the disk each needed per token.
 
 Options: bench.batch_tokens, bench.steps, bench.warmup, bench.min_len, bench.max_len, bench.prompt_percent,
@@ -133,15 +134,23 @@ def sync(device: torch.device) -> None:
 
 
 def train(
-    cfg, folder: Path, online: OnlineTarget | None, device: torch.device, opts: dict[str, int]
+    cfg,
+    folder: Path,
+    online: OnlineTarget | None,
+    device: torch.device,
+    opts: dict[str, int],
+    overlap: bool = False,
 ) -> float:
-    """Tokens per second of bench.steps training micro-batches after bench.warmup, read from `folder`."""
+    """Tokens per second of bench.steps training micro-batches after bench.warmup, read from `folder`; with
+    `overlap`, the loader runs the target on its copy stream (trainer.online_overlap)."""
     kind = TokenDataModule if online is not None else ShardDataModule
     datamodule = kind(
         folder, tokens_per_batch=opts["batch_tokens"], val_fraction=0.0, seed=opts["seed"], num_workers=0,
         loader_threads=opts["loader_threads"],
     )  # fmt: skip
     datamodule.batch_device = device
+    if overlap:
+        datamodule.batch_transform = online.features
     datamodule.setup()
     torch.manual_seed(opts["seed"])
     module = build_module(
@@ -217,6 +226,7 @@ def main(argv: list[str]) -> None:
         )
         offline_tps = train(cfg, folders["shards"], None, device, opts)
         online_tps = train(cfg, folders["tokens"], online, device, opts)
+        overlap_tps = train(cfg, folders["tokens"], online, device, opts, overlap=True)
         forward_tps = forward_rate(folders["tokens"], online, device, opts)
         per_token = {
             name: sum(p.stat().st_size for p in folder.glob("shard-*")) / sum(s.num_tokens for s in samples)
@@ -227,13 +237,15 @@ def main(argv: list[str]) -> None:
     tr = cfg.trainer
     header = (
         "| date | machine | target | K | draft vocab | compiled | micro-batch tokens | steps | offline tok/s "
-        "| online tok/s | online / offline | target forward tok/s | disk B/token: shards, tokens |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| online tok/s | online / offline | online, overlapped tok/s | overlapped / offline | target forward tok/s "
+        "| disk B/token: shards, tokens |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     row = (
         f"| {date.today()} | {machine()} | {cfg.model.name} ({cfg.model.source}, {target.dtype}) | {tr.ttt_steps} "
         f"| {cfg.draft.vocab_size:,} | {'yes' if tr.compile else 'no'} | {opts['batch_tokens']:,} | {opts['steps']} "
-        f"| {offline_tps:,.0f} | {online_tps:,.0f} | {online_tps / offline_tps:.2f}x | {forward_tps:,.0f} "
+        f"| {offline_tps:,.0f} | {online_tps:,.0f} | {online_tps / offline_tps:.2f}x | {overlap_tps:,.0f} "
+        f"| {overlap_tps / offline_tps:.2f}x | {forward_tps:,.0f} "
         f"| {per_token['shards']:,.0f}, {per_token['tokens']:,.1f} |"
     )
     print(header)

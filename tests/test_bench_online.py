@@ -28,11 +28,13 @@ def test_tiny_run_records_one_row(tmp_path: Path, model_cache: Path, monkeypatch
         name.strip(): value.strip()
         for name, value in zip(header.strip("|").split(" | "), row.strip("|").split(" | "), strict=True)
     }
-    offline, online, forward = (
-        float(cells[k].replace(",", "")) for k in ("offline tok/s", "online tok/s", "target forward tok/s")
+    offline, online, overlapped, forward = (
+        float(cells[k].replace(",", ""))
+        for k in ("offline tok/s", "online tok/s", "online, overlapped tok/s", "target forward tok/s")
     )
-    assert offline > 0 and online > 0 and forward > 0
+    assert offline > 0 and online > 0 and overlapped > 0 and forward > 0
     assert cells["online / offline"] == f"{online / offline:.2f}x"
+    assert cells["overlapped / offline"] == f"{overlapped / offline:.2f}x"
     shards, tokens = (float(x.replace(",", "")) for x in cells["disk B/token: shards, tokens"].split(", "))
     assert shards > 4 * 64 * 2 and 5 <= tokens < 6  # (n_aux + 1) x H x bf16 against 5 bytes and the headers
     assert not [

@@ -175,6 +175,11 @@ def test_choices_are_plain_strings_wherever_the_config_is_recorded(compose) -> N
     [
         (["trainer.ttt_steps=0"], "trainer.ttt_steps must be >= 1"),
         (["trainer.val_fraction=1.0"], "trainer.val_fraction must be in [0, 1)"),
+        (["trainer.online_overlap=true"], "needs trainer.features=online (got shards)"),
+        (
+            ["trainer.features=online", "trainer.online_overlap=true", "trainer.loader_threads=0"],
+            "trainer.loader_threads >= 1 (got 0)",
+        ),
         (["hardware.devices=0"], "hardware.devices must be >= 1"),
         (["hardware.strategy=fsdp"], "hardware.strategy=fsdp needs GPUs"),
         (["hardware=h200_x2", "hardware.strategy=fsdp", "trainer.embed_dtype=bfloat16"], "embed_dtype"),

@@ -20,7 +20,7 @@ from test_packing import BUDGET, N_AUX, H, random_lengths, write_dataset
 from eaglet.errors import ConfigError, DataError
 from eaglet.shards import ShardReader
 from eaglet.train.datamodule import ShardDataModule, all_finite
-from eaglet.train.prefetch import PrefetchLoader
+from eaglet.train.prefetch import DeviceCopier, PrefetchLoader
 
 NUM_SEQUENCES = 36
 
@@ -305,6 +305,30 @@ def test_the_next_batch_is_sent_to_the_device_while_the_current_one_trains() -> 
     for k in range(2, 6):
         assert copier.log.index(("start", k)) < copier.log.index(("step", k - 1))
     assert sorted(copier.log) == sorted([(e, k) for k in range(6) for e in ("start", "ready", "step")])
+
+
+def _with_features(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stand-in for online training's target forward: a new tensor computed from the batch."""
+    return {**batch, "aux_hidden_states": batch["input_ids"].float() * 2 + 1}
+
+
+def test_the_loader_applies_a_transform_to_every_batch_in_order() -> None:
+    sampler = [[i, i + 100] for i in range(5)]
+    batches = list(PrefetchLoader(InstantDataset(), sampler, threads=2, transform=_with_features))
+    assert [b["input_ids"].tolist() for b in batches] == sampler
+    for batch in batches:
+        assert torch.equal(batch["aux_hidden_states"], batch["input_ids"].float() * 2 + 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream needs a CUDA device")
+def test_the_transform_runs_on_the_copy_stream_and_its_output_is_ready_on_the_training_stream() -> None:
+    copier = DeviceCopier("cuda", transform=_with_features)
+    sampler = [[i] * 4096 for i in range(6)]
+    for k, batch in enumerate(PrefetchLoader(InstantDataset(), sampler, threads=2, copier=copier)):
+        assert batch["aux_hidden_states"].device.type == "cuda"
+        torch.cuda._sleep(1_000_000)  # a step on the training stream, while the next batch is transformed
+        expected = torch.full((4096,), 2.0 * k + 1, device="cuda")
+        assert torch.equal(batch["aux_hidden_states"], expected)
 
 
 def test_an_abandoned_thread_loader_counts_only_the_batches_handed_out(shard_dir: Path) -> None:

@@ -29,6 +29,7 @@ from eaglet.shards.tokens import TokenReader
 from eaglet.sweeps.trial import check_sweep_settings
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
+from eaglet.train.module import DraftHeadModule
 from eaglet.train.online import TokenDataModule, check_target_fits, load_online_target
 from eaglet.train.packing import collate_packed, collate_tokens
 from eaglet.train.run import build_module, run_training
@@ -224,14 +225,29 @@ def loss_curve(metrics_csv: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["train/loss_global"]) for r in rows if r.get("train/loss_global")}
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_online_training_equals_training_from_shards(
-    compose, stores: dict[str, Path], tmp_path: Path
+    compose, stores: dict[str, Path], tmp_path: Path, monkeypatch, overlap: bool
 ) -> None:
+    """trainer.online_overlap=true: the loader runs the target (on the GPU, on its copy stream) and the step
+    gets the features with the batch; the same losses either way."""
     offline = run_training(compose(*train_overrides(stores["fp32"], tmp_path)), tmp_path / "offline")
+    arrived_with_features = []
+    run = DraftHeadModule._run
+
+    def spy(self, batch, *, noise):
+        arrived_with_features.append("aux_hidden_states" in batch)
+        return run(self, batch, noise=noise)
+
+    monkeypatch.setattr(DraftHeadModule, "_run", spy)
     online = run_training(
-        compose(*train_overrides(stores["tokens"], tmp_path, "trainer.features=online")),
+        compose(
+            *train_overrides(stores["tokens"], tmp_path, "trainer.features=online"),
+            f"trainer.online_overlap={str(overlap).lower()}",
+        ),
         tmp_path / "online",
     )
+    assert arrived_with_features and set(arrived_with_features) == {overlap}
     assert (
         online.steps == offline.steps == 6 and online.train_tokens_per_epoch == offline.train_tokens_per_epoch
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from eaglet.config.bounds import at_least, positive, within
-from eaglet.config.choices import STRATEGIES, EvalBackend, ExtractBackend, ExtractFeatures
+from eaglet.config.choices import STRATEGIES, EvalBackend, ExtractBackend, ExtractFeatures, TrainFeatures
 from eaglet.config.eval_sets import eval_set_defs
 from eaglet.config.schema import (
     DatasetConfig,
@@ -147,6 +147,12 @@ def check_trainer(tr: TrainerConfig) -> None:
         "trainer", {"warmup_ratio": tr.warmup_ratio}, "[0, 1)", hint=" (the share of steps spent warming up)"
     )
     within("trainer", {"val_fraction": tr.val_fraction}, "[0, 1)", hint=" (0 = no validation)")
+    if tr.online_overlap and (tr.features != TrainFeatures.online or tr.num_workers or not tr.loader_threads):
+        raise ConfigError(
+            "trainer.online_overlap=true runs the target in the loader's threads of online training: it needs "
+            f"trainer.features=online (got {tr.features.value}), trainer.num_workers=0 (got {tr.num_workers}) and "
+            f"trainer.loader_threads >= 1 (got {tr.loader_threads})"
+        )
 
 
 def check_hardware(hw: HardwareConfig, tr: TrainerConfig) -> None:

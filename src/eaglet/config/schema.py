@@ -345,6 +345,10 @@ class TrainerConfig:
     num_workers: int = 0
     # With num_workers 0: threads of the training process that build micro-batches ahead (0 = in the loop).
     loader_threads: int = 2
+    # trainer.features=online with loader threads: the target's forward runs in the loader, on its copy stream,
+    # one micro-batch ahead, so that on a GPU it overlaps the head's step instead of following it. Same
+    # features, same losses (tested); off = inside the step.
+    online_overlap: bool = False
     lm_head_trainable: bool = True
     mask_outside_draft_vocab: bool = False
     feature_noise_std: float = 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,9 @@ class ShardDataModule(LightningDataModule):
         self._resume_state: dict[str, int] | None = None  # loaded before the train sampler exists
         # Where the threads' loader hands batches out when no Trainer is attached; None: host memory.
         self.batch_device: torch.device | None = None
+        # Applied by the threads' loader to each batch it hands out, on the GPU on its copy stream (online
+        # training's target forward: eaglet.train.online.OnlineTarget.overlap); None: none.
+        self.batch_transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Open the shards (once) and split them; no memory map is opened here."""
@@ -277,11 +280,15 @@ class ShardDataModule(LightningDataModule):
     def _copier(self) -> DeviceCopier | None:
         strategy = getattr(self.trainer, "strategy", None)
         device = strategy.root_device if strategy is not None else self.batch_device
-        return DeviceCopier(device) if device is not None and torch.device(device).type == "cuda" else None
+        if device is None or torch.device(device).type != "cuda":
+            return None
+        return DeviceCopier(device, transform=self.batch_transform)
 
     def _loader(self, sampler: PackedBatchSampler) -> DataLoader | PrefetchLoader:
         if self.num_workers == 0 and self.loader_threads > 0:
-            return PrefetchLoader(self._require_setup(), sampler, self.loader_threads, self._copier())
+            return PrefetchLoader(
+                self._require_setup(), sampler, self.loader_threads, self._copier(), self.batch_transform
+            )
         # batch_size=None: the sampler's item is a whole micro-batch's index list, which the dataset
         # turns into one packed row; there is nothing left to collate. Rows built here are pinned already
         # (pin_memory returns them as they are); rows from workers are copied into pinned memory.

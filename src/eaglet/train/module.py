@@ -102,7 +102,7 @@ class DraftHeadModule(L.LightningModule):
 
     def _run(self, batch: dict[str, Tensor], *, noise: bool) -> TTTOutput:
         hp = self.hparams
-        if self._online_target is not None:
+        if self._online_target is not None and "aux_hidden_states" not in batch:  # else the loader ran it
             batch = self._online_target.to(self.device).features(batch)
         if noise and hp.feature_noise_std > 0:
             aux = batch["aux_hidden_states"]

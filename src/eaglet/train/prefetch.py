@@ -5,13 +5,15 @@ memory, as DataLoader worker processes need. Building a batch is numpy copies an
 so a few threads keep up with the GPU while the training thread runs.
 
 On a CUDA device the loader also moves the next batch to the GPU on a side stream while the current one trains:
-a copy on the training stream (Lightning's `batch_to_device`) would add its time to every step.
+a copy on the training stream (Lightning's `batch_to_device`) would add its time to every step. A `transform`
+(online training's target forward) runs on that stream too, after the copy, so the GPU works on it while the
+training stream runs the step before.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -19,20 +21,25 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 Batch = dict[str, torch.Tensor]
+Transform = Callable[[Batch], Batch]
 
 
 class DeviceCopier:
-    """Copies batches to a CUDA device on its own stream; `ready` hands one to the current stream."""
+    """Copies batches to a CUDA device on its own stream, then applies `transform` there; `ready` hands one to
+    the current stream."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, transform: Transform | None = None) -> None:
         device = torch.device(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         self.device = torch.device("cuda", index)
         self.stream = torch.cuda.Stream(self.device)
+        self.transform = transform
 
     def start(self, batch: Batch) -> tuple[Batch, torch.cuda.Event]:
         with torch.cuda.stream(self.stream):
             moved = {name: t.to(self.device, non_blocking=True) for name, t in batch.items()}
+            if self.transform is not None:
+                moved = self.transform(moved)
             done = torch.cuda.Event()
             done.record(self.stream)
         return moved, done
@@ -53,15 +60,22 @@ class PrefetchLoader:
     At most `threads + 1` batches are built or waiting at once. `sampler` and `dataset` are exposed as on a
     DataLoader (Lightning calls `sampler.set_epoch`); `in_flight` counts the index lists of the latest
     iteration drawn from the sampler whose batches were not handed out. With a `copier`, batches are handed
-    out on its device, and the one after the batch handed out is already on its way there when it is ready.
+    out on its device (its transform applied), and the one after the batch handed out is already on its way
+    there when it is ready. Without one, `transform` is applied to each batch as it is handed out.
     """
 
     def __init__(
-        self, dataset: Dataset, sampler: Sampler, threads: int, copier: DeviceCopier | None = None
+        self,
+        dataset: Dataset,
+        sampler: Sampler,
+        threads: int,
+        copier: DeviceCopier | None = None,
+        transform: Transform | None = None,
     ) -> None:
         if threads < 1:
             raise ValueError(f"PrefetchLoader needs at least one thread, got {threads}")
         self.dataset, self.sampler, self.threads, self.copier = dataset, sampler, threads, copier
+        self.transform = transform if copier is None else None
         self.batch_sampler = None  # as on a DataLoader with batch_size=None: Lightning looks for it
         self.in_flight = 0
 
@@ -92,6 +106,8 @@ class PrefetchLoader:
             while pending or ahead is not None:
                 if copier is None:
                     batch = next_built()
+                    if self.transform is not None:
+                        batch = self.transform(batch)
                 else:
                     moving, ahead = ahead or copier.start(next_built()), None
                     batch = copier.ready(*moving)

@@ -255,6 +255,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     else:
         module.init_from_target(target.head_weights(), d2t, t2d)
         module.attach_target(target)
+        if tr.online_overlap:
+            datamodule.batch_transform = target.features
 
     failed = True
     try:
