@@ -20,8 +20,9 @@ from hydra import compose, initialize_config_dir
 
 import eaglet.config
 from eaglet.config import check_config
+from eaglet.data.dataset import load_dataset
 from eaglet.data.holdout import eval_set_prompts
-from eaglet.data.self_prompt import format_self_prompt_report, self_prompt, self_prompt_report
+from eaglet.data.self_prompt import example_pool, format_self_prompt_report, self_prompt, self_prompt_report
 from eaglet.target_model import load_target
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
@@ -43,10 +44,18 @@ def main(argv: list[str]) -> None:
     check_config(cfg)
     target = load_target(cfg.model, device="auto", cache_dir=Path(cfg.paths.cache_dir))
     rg = cfg.extract.regenerate
+    examples_from = []
+    if cfg.extract.self_prompt.examples:  # drawn from the dataset's user prompts, as extraction draws them
+        conversations, _ = load_dataset(
+            cfg.dataset, require_assistant=False, strict=False, max_conversations=None,
+            held_out_sets=cfg.eval.set_defs,
+        )  # fmt: skip
+        examples_from = example_pool([t.content for c in conversations for t in c.turns if t.role == "user"])
     with tempfile.TemporaryDirectory() as folder:
         prompts, stats = self_prompt(
             target.model, target.tokenizer, cfg.extract.self_prompt, template=cfg.model.chat_template,
             out_path=Path(folder) / "prompts.jsonl", seed=cfg.seed, held_out=eval_set_prompts(cfg.eval.set_defs),
+            examples_from=examples_from,
             engine=str(rg.engine), compile=rg.compile, overlap_prefill=rg.overlap_prefill,
             prefill_graphs=rg.prefill_graphs,
         )  # fmt: skip

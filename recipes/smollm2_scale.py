@@ -15,6 +15,8 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 - shared_only: shared prompts only (no self-prompted ones), `small_tokens` tokens: against scale_small.
 - greedy_only: greedy answers only (no sampled ones), `mid_tokens` tokens: against scale_mid.
 - ttt7:   K = 7 training steps instead of 5, `mid_tokens` tokens: against scale_mid.
+- seeded: the self-prompts written after three of the dataset's prompts each (extract.self_prompt.examples=3,
+          temperature 0.7), `mid_tokens` tokens: against scale_mid.
 - vocab16384: a draft vocab of 16384 instead of 8192, `mid_tokens` tokens: against scale_mid.
 - speculators: the speculators package's head on the data and steps of `speculators_row`
           (benchmarks/side_by_side_speculators.py), evaluated beside that row's head in the same run.
@@ -88,6 +90,13 @@ STORES: dict[str, tuple[str, ...]] = {
     "main": (),
     "shared_only": ("extract.self_prompt.num_prompts=0",),
     "greedy_only": ("extract.regenerate.samples_per_prompt=1",),
+    # Self-prompts written after 3 of the dataset's own prompts (at the temperature that keeps a 135M target
+    # coherent): requests like people's, whose answers the head predicts as poorly as it does human prompts'.
+    "seeded": (
+        "extract.self_prompt.examples=3",
+        "extract.self_prompt.temperature=0.7",
+        "extract.self_prompt.top_p=0.9",
+    ),
 }
 
 
@@ -115,6 +124,12 @@ ROWS: dict[str, Row] = {
     ),
     # Chat answers repeat the prompt's rare words (names, terms), which a small draft vocab cannot propose: 7.9%
     # of the target's chat answer tokens fall outside the 8192-token vocab, 2% of its code's (BENCHMARKS.md).
+    "seeded": Row(
+        "self-prompts written after examples of people's",
+        store="seeded",
+        tokens="mid_tokens",
+        against="scale_mid",
+    ),
     "vocab16384": Row(
         "draft vocab 16384", overrides=("draft.vocab_size=16384",), tokens="mid_tokens", against="scale_mid"
     ),

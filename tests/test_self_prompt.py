@@ -141,6 +141,73 @@ def test_self_prompted_conversations_join_the_dataset_filtered_and_resumable(
     assert len(kept) == 4 and files[0].read_bytes().endswith(b"\n")
 
 
+def test_examples_from_the_dataset_come_before_each_prompt_and_are_never_kept(
+    compose, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extract.self_prompt.examples=2: each prompt is written after two of the dataset's user prompts (drawn per
+    prompt, the same on a rerun), each answered by example_reply; a prompt that copies one is a duplicate."""
+    from eaglet.target_model import load_target
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join((SHARED / "oasst_en100.jsonl").read_text().splitlines(keepends=True)[:6]))
+    users = [
+        t["content"]
+        for line in data.read_text().splitlines()
+        for t in json.loads(line)["conversations"]
+        if t["role"] == "user"
+    ]
+    short = sp_module.example_pool(users)  # every user turn of at most 400 characters
+    assert len(short) >= 3
+    cfg = compose(*overrides(data, tmp_path))
+    tokenizer = load_target(cfg.model, device="cpu", cache_dir=Path(cfg.paths.cache_dir)).tokenizer
+    scripted.tokenizer = tokenizer
+    texts = [
+        short[0],
+        "explain how a rainbow forms in the sky after the rain stops",
+        "name three rivers of africa",
+    ]
+    seen_prompts: list[list[int]] = []
+    decode = scripted(texts, [])
+
+    def recording(model, prompts, **kwargs):
+        seen_prompts.extend(prompts)
+        return decode(model, prompts, **kwargs)
+
+    settings = ["extract.self_prompt.num_prompts=2", "extract.self_prompt.examples=2",
+                "extract.self_prompt.example_reply=Of course."]  # fmt: skip
+    scripted.next = 0
+    monkeypatch.setattr(sp_module, "decode_batch", recording)
+    run_extraction(compose(*overrides(data, tmp_path, *settings)))
+    records = [
+        json.loads(line)
+        for f in (tmp_path / "self_prompted").glob("*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
+    assert [r["conversations"][0]["content"] for r in records] == texts[1:]  # the copied example was dropped
+    rendered = [tokenizer.decode(ids) for ids in seen_prompts[:3]]
+    for text in rendered:
+        assert sum(example in text for example in short) == 2 and text.count("Of course.") == 2
+        assert text.endswith("<|im_start|>user\n")
+    assert len(set(rendered)) > 1  # drawn afresh for each prompt
+
+    # The same settings draw the same examples: a rerun renders the same prefixes.
+    first = list(seen_prompts)
+    seen_prompts.clear()
+    scripted.next = 0
+    monkeypatch.setattr(sp_module, "_read", lambda path: [])  # generate again instead of reading back
+    run_extraction(compose(*overrides(data, tmp_path, *settings, f"extract.output_dir={tmp_path / 'o2'}")))
+    assert seen_prompts[: len(first)] == first
+
+    with pytest.raises(ConfigError, match="extract.self_prompt.examples=9 draws"):
+        run_extraction(
+            compose(
+                *overrides(
+                    data, tmp_path, "extract.self_prompt.num_prompts=2", "extract.self_prompt.examples=9"
+                )
+            )
+        )
+
+
 def test_self_prompting_needs_answers_and_valid_settings(compose, tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text((SHARED / "oasst_en100.jsonl").read_text().splitlines(keepends=True)[0])

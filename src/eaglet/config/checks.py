@@ -207,7 +207,11 @@ def check_extract(ext: ExtractConfig) -> None:
     at_least(
         "extract.self_prompt", {"max_prompt_tokens": sp.max_prompt_tokens, "batch_size": sp.batch_size}, 1
     )
-    at_least("extract.self_prompt", {"min_chars": sp.min_chars, "follow_up_turns": sp.follow_up_turns}, 0)
+    at_least(
+        "extract.self_prompt",
+        {"min_chars": sp.min_chars, "follow_up_turns": sp.follow_up_turns, "examples": sp.examples},
+        0,
+    )
     positive("extract.self_prompt", {"temperature": sp.temperature}, hint=" (prompts are sampled)")
     within(
         "extract.self_prompt",

@@ -242,6 +242,12 @@ class SelfPromptConfig:
     categories: dict[str, Any] = field(default_factory=_default_prompt_categories)
     temperature: float = 1.0
     top_p: float = 1.0
+    # Earlier user turns shown before the one the target writes: this many user prompts of the dataset, drawn
+    # afresh for each prompt, each followed by `example_reply` as the assistant's turn, so that the target writes
+    # requests like people's (concrete, naming what they ask about) instead of its own kind (0 = none: the
+    # template up to a user turn, as Magpie). A 135M target needs a lower temperature for it (0.7, top_p 0.9).
+    examples: int = 0
+    example_reply: str = "Sure."
     # A prompt that has not ended within this many tokens is dropped.
     max_prompt_tokens: int = 160
     min_chars: int = 12

@@ -2,7 +2,9 @@
 
 Given its chat template rendered up to the start of a user turn (after a category's system prompt), an
 instruction model continues with a user message of the kind it was trained to answer (the "Magpie" method,
-arXiv 2406.08464). Prompts are generated in rounds through eaglet.generation (the engine on GPUs), cleaned,
+arXiv 2406.08464). With `examples`, a few of the dataset's own user prompts come first as earlier turns (each
+answered by a fixed reply), drawn afresh for each prompt: the target then writes requests like those people
+write, whose answers a head trained on its own kind of prompts predicts less well. Prompts are generated in rounds through eaglet.generation (the engine on GPUs), cleaned,
 held out against every evaluation set, deduplicated exactly and approximately (eaglet.data.near_duplicates), and
 appended to a JSONL file in the shared schema (fsynced per round), so a killed run resumes and a later run with
 the same settings reuses them; a run asking for more prompts extends the file.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -34,6 +37,9 @@ from eaglet.generation import decode_batch
 _SENTINEL = "\u2063EAGLET-USER-MESSAGE\u2063"
 # Rounds that add no new prompt before giving up (the target keeps repeating itself at these settings).
 _FRUITLESS_ROUNDS = 3
+# Longer user prompts (a pasted text, a whole program) are not drawn as examples: each would fill the context
+# ahead of the prompt being written.
+_EXAMPLE_MAX_CHARS = 400
 
 
 @dataclass
@@ -82,8 +88,14 @@ def next_user_turn_prefix(
     return [int(i) for i in ids], end
 
 
-def settings_key(cfg: SelfPromptConfig, identity: Mapping[str, Any]) -> str:
-    """Everything that changes which prompts come out, except how many are asked for (more extends the file)."""
+def example_pool(user_prompts: Sequence[str]) -> list[str]:
+    """The prompts examples are drawn from: distinct, at most _EXAMPLE_MAX_CHARS characters, in the given order."""
+    return list(dict.fromkeys(p.strip() for p in user_prompts if 0 < len(p.strip()) <= _EXAMPLE_MAX_CHARS))
+
+
+def settings_key(cfg: SelfPromptConfig, identity: Mapping[str, Any], pool: Sequence[str] = ()) -> str:
+    """Everything that changes which prompts come out, except how many are asked for (more extends the file);
+    `pool`: the prompts examples are drawn from (with cfg.examples)."""
     settings = {
         **identity,
         "categories": dict(cfg.categories),
@@ -94,6 +106,9 @@ def settings_key(cfg: SelfPromptConfig, identity: Mapping[str, Any]) -> str:
         "near_duplicate_jaccard": cfg.near_duplicate_jaccard,
         "rows": cfg.batch_size,
     }
+    if cfg.examples:
+        drawn_from = hashlib.sha256("\0".join(pool).encode()).hexdigest()[:12]
+        settings |= {"examples": cfg.examples, "example_reply": cfg.example_reply, "example_pool": drawn_from}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -107,15 +122,23 @@ def self_prompt(
     seed: int,
     held_out: set[str],
     existing: set[str] = frozenset(),
+    examples_from: Sequence[str] = (),
     engine: str = "auto",
     compile: bool = True,
     overlap_prefill: bool = False,
     prefill_graphs: bool = False,
 ) -> tuple[list[Conversation], SelfPromptStats]:
     """`cfg.num_prompts` distinct user prompts written by `model`, as one-turn conversations (ids sp-<n>),
-    resumed from and appended to `out_path`. `held_out` and `existing` hold normalised prompts to avoid."""
+    resumed from and appended to `out_path`. `held_out` and `existing` hold normalised prompts to avoid;
+    `examples_from`: the example_pool the cfg.examples earlier turns are drawn from."""
     if not cfg.categories:
         raise ConfigError("extract.self_prompt.categories is empty: give at least one name: system prompt")
+    if cfg.examples and len(examples_from) < cfg.examples:
+        raise ConfigError(
+            f"extract.self_prompt.examples={cfg.examples} draws that many of the dataset's user prompts (of at "
+            f"most {_EXAMPLE_MAX_CHARS} characters) before each prompt, but the dataset has {len(examples_from)}; "
+            "lower extract.self_prompt.examples or use a larger dataset"
+        )
     template = resolve_chat_template(tokenizer, template)
     names = sorted(cfg.categories)
     prefixes, stops = {}, {int(tokenizer.eos_token_id)}
@@ -123,6 +146,18 @@ def self_prompt(
         prefixes[name], end = user_turn_prefix(tokenizer, template, cfg.categories[name])
         if end is not None:
             stops.add(end)
+
+    def prefix(attempt: int) -> list[int]:
+        """The template up to the user text for `attempt`: its category's, after its own drawn examples."""
+        name = names[attempt % len(names)]
+        if not cfg.examples:
+            return prefixes[name]
+        system = cfg.categories[name]
+        history = [Turn("system", system)] if system else []
+        for text in random.Random(_seed(seed, attempt)).sample(list(examples_from), cfg.examples):
+            history += [Turn("user", text), Turn("assistant", cfg.example_reply)]
+        return next_user_turn_prefix(tokenizer, template, history)[0]
+
     stats = SelfPromptStats(categories=Counter())
     filter_ = NearDuplicates(cfg.near_duplicate_jaccard)
     for text in existing:
@@ -142,7 +177,7 @@ def self_prompt(
             count = max(cfg.batch_size, int((cfg.num_prompts - len(kept)) * 1.25))
             attempts = range(attempt, attempt + count)
             attempt += count
-            prompts = [prefixes[names[a % len(names)]] for a in attempts]
+            prompts = [prefix(a) for a in attempts]
             outputs = decode_batch(
                 model, prompts, max_new_tokens=cfg.max_prompt_tokens, stop_ids=stops,
                 pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),

@@ -38,6 +38,7 @@ from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerate_stats import RegenerateStats
 from eaglet.data.self_prompt import (
     SelfPromptStats,
+    example_pool,
     format_self_prompt_report,
     self_prompt,
     self_prompt_report,
@@ -551,15 +552,17 @@ def self_prompted(
         "seed": job.seed,
         **({"decoder": "engine"} if _decoder(model, rg) == "engine" else {}),
     }
-    path = job.data_dir / "self_prompted" / f"{job.model.name}-{settings_key(sp, identity)}.jsonl"
+    users = [t.content for c in conversations for t in c.turns if t.role == "user"]
+    pool = example_pool(users) if sp.examples else []
+    path = job.data_dir / "self_prompted" / f"{job.model.name}-{settings_key(sp, identity, pool)}.jsonl"
     print(f"self-prompting {sp.num_prompts:,} user prompts with {job.model.name} -> {path}")
-    existing = {normalise_prompt(t.content) for c in conversations for t in c.turns if t.role == "user"}
+    existing = {normalise_prompt(text) for text in users}
     with _full_disk_reported(
         path.parent, "prompts are appended there as they are kept", "free space, then re-run the same command"
     ):
         prompts, stats = self_prompt(
             model, tokenizer, sp, template=template, out_path=path, seed=job.seed,
-            held_out=eval_set_prompts(job.held_out_sets), existing=existing, engine=str(rg.engine),
+            held_out=eval_set_prompts(job.held_out_sets), existing=existing, examples_from=pool, engine=str(rg.engine),
             compile=rg.compile, overlap_prefill=rg.overlap_prefill, prefill_graphs=rg.prefill_graphs,
         )  # fmt: skip
     prompted = SelfPrompted(prompts, path, stats, {**OmegaConf.to_container(sp), **identity})
