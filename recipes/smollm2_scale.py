@@ -29,7 +29,8 @@ eval_prompts=20, 80 prompts, ~11 minutes), now `eval_workers` processes side by 
 yet: benchmarks/bench_eval_workers.py; on 2 CPU cores no gain). A head can
 also be evaluated on another machine (it comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Estimated for the
 other rows: scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to
-tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
+tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, seeded ~7 (its own self-prompts and their answers, ~3;
+the shared answers reused), vocab16384 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
 then an evaluation). Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
 on a bare machine) the data and the main head fit; the other rows take further sessions.
 
@@ -73,7 +74,7 @@ from eaglet.shards.manifest import MANIFEST_FILE
 
 OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
-        "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "8", "gpu": "0",
+        "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "4", "gpu": "0",
         "extra": "", "budget_s": "0", "train_tokens_per_s": "105000", "eval_reserve_s": "300"}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
