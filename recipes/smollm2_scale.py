@@ -15,8 +15,8 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 - shared_only: shared prompts only (no self-prompted ones), `small_tokens` tokens: against scale_small.
 - greedy_only: greedy answers only (no sampled ones), `mid_tokens` tokens: against scale_mid.
 - ttt7:   K = 7 training steps instead of 5, `mid_tokens` tokens: against scale_mid.
-- seeded: the self-prompts written after three of the dataset's prompts each (extract.self_prompt.examples=3,
-          temperature 0.7), `mid_tokens` tokens: against scale_mid.
+- seeded: the self-prompts written after three people's chat prompts each (extract.self_prompt.examples=3 from the
+          shared chat sets, temperature 0.7), `mid_tokens` tokens: against scale_mid.
 - vocab16384: a draft vocab of 16384 instead of 8192, `mid_tokens` tokens: against scale_mid.
 - speculators: the speculators package's head on the data and steps of `speculators_row`
           (benchmarks/side_by_side_speculators.py), evaluated beside that row's head in the same run.
@@ -85,16 +85,29 @@ OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "
 # one when eval_device=cpu).
 BUDGET_FILE = "budget.json"
 
+# The shared sets of people's chat prompts (the rest are maths and code).
+CHAT_PROMPT_FILES = (
+    "alpaca_en_demo",
+    "oasst_en100",
+    "oasst_prompt_lottery",
+    "self_instruct_seed",
+    "sharegpt_v3_head",
+)
+
 # Token stores: what each changes against the experiment's data (under <out>/tokens/<name>). Answers are reused
 # from data/regenerated/ and data/self_prompted/, so only the main store generates.
 STORES: dict[str, tuple[str, ...]] = {
     "main": (),
     "shared_only": ("extract.self_prompt.num_prompts=0",),
     "greedy_only": ("extract.regenerate.samples_per_prompt=1",),
-    # Self-prompts written after 3 of the dataset's own prompts (at the temperature that keeps a 135M target
-    # coherent): requests like people's, whose answers the head predicts as poorly as it does human prompts'.
+    # Self-prompts written after 3 people's chat prompts (the shared chat sets, evaluation prompts left out; at the
+    # temperature that keeps a 135M target coherent): requests like people's, whose answers the head predicts as
+    # poorly as it does human prompts'.
     "seeded": (
         "extract.self_prompt.examples=3",
+        "extract.self_prompt.example_paths=["
+        + ",".join(f"${{paths.shared_data}}/{name}.jsonl" for name in CHAT_PROMPT_FILES)
+        + "]",
         "extract.self_prompt.temperature=0.7",
         "extract.self_prompt.top_p=0.9",
     ),

@@ -198,6 +198,31 @@ def test_examples_from_the_dataset_come_before_each_prompt_and_are_never_kept(
     run_extraction(compose(*overrides(data, tmp_path, *settings, f"extract.output_dir={tmp_path / 'o2'}")))
     assert seen_prompts[: len(first)] == first
 
+    # From other files instead of the dataset: their prompts only, never an evaluation prompt.
+    from eaglet.data.holdout import eval_set_prompts, normalise_prompt
+
+    eval_prompt = sorted(eval_set_prompts(cfg.eval.set_defs))[0]
+    mine = ["name a bird that cannot fly", "what is the boiling point of water", "suggest a name for a cat"]
+    pool_file = tmp_path / "pool.jsonl"
+    pool_file.write_text(
+        "".join(
+            json.dumps({"id": str(i), "conversations": [{"role": "user", "content": t}]}) + "\n"
+            for i, t in enumerate([*mine, eval_prompt])
+        )
+    )
+    seen_prompts.clear()
+    scripted.next = 1
+    run_extraction(
+        compose(
+            *overrides(data, tmp_path, *settings, f"extract.output_dir={tmp_path / 'o3'}"),
+            f"extract.self_prompt.example_paths=[{pool_file}]",
+        )
+    )
+    for ids in seen_prompts:
+        text = tokenizer.decode(ids)
+        assert sum(t in text for t in mine) == 2 and not any(u in text for u in short)
+        assert normalise_prompt(eval_prompt) not in normalise_prompt(text)
+
     with pytest.raises(ConfigError, match="extract.self_prompt.examples=9 draws"):
         run_extraction(
             compose(

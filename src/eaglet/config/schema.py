@@ -248,6 +248,9 @@ class SelfPromptConfig:
     # template up to a user turn, as Magpie). A 135M target needs a lower temperature for it (0.7, top_p 0.9).
     examples: int = 0
     example_reply: str = "Sure."
+    # Files (the shared schema) whose user prompts the examples are drawn from, every evaluation prompt left out
+    # (a chat-only pool for chat-like prompts, say); null = the dataset's own user prompts.
+    example_paths: list[str] | None = None
     # A prompt that has not ended within this many tokens is dropped.
     max_prompt_tokens: int = 160
     min_chars: int = 12

@@ -30,8 +30,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from eaglet.config.schema import DatasetConfig, ModelConfig, RegenerateConfig
-from eaglet.data.conversations import Conversation
+from eaglet.config.schema import DatasetConfig, ModelConfig, RegenerateConfig, SelfPromptConfig
+from eaglet.data.conversations import Conversation, load_conversations
 from eaglet.data.follow_ups import add_follow_ups, follow_up_report
 from eaglet.data.holdout import eval_set_prompts, normalise_prompt
 from eaglet.data.regenerate import regenerate_conversations
@@ -527,6 +527,20 @@ def _regenerate(
         )
 
 
+def _example_prompts(sp: SelfPromptConfig, users: list[str], held_out: set[str]) -> list[str]:
+    """The user prompts self-prompting's examples are drawn from: those of extract.self_prompt.example_paths
+    (evaluation prompts left out), else the dataset's `users`."""
+    if not sp.example_paths:
+        return users
+    found, _ = load_conversations(list(sp.example_paths), require_assistant=False)
+    return [
+        t.content
+        for c in found
+        for t in c.turns
+        if t.role == "user" and normalise_prompt(t.content) not in held_out
+    ]
+
+
 def self_prompted(
     job: ExtractionJob,
     conversations: list[Conversation],
@@ -553,7 +567,8 @@ def self_prompted(
         **({"decoder": "engine"} if _decoder(model, rg) == "engine" else {}),
     }
     users = [t.content for c in conversations for t in c.turns if t.role == "user"]
-    pool = example_pool(users) if sp.examples else []
+    held_out = eval_set_prompts(job.held_out_sets)
+    pool = example_pool(_example_prompts(sp, users, held_out)) if sp.examples else []
     path = job.data_dir / "self_prompted" / f"{job.model.name}-{settings_key(sp, identity, pool)}.jsonl"
     print(f"self-prompting {sp.num_prompts:,} user prompts with {job.model.name} -> {path}")
     existing = {normalise_prompt(text) for text in users}
@@ -562,7 +577,7 @@ def self_prompted(
     ):
         prompts, stats = self_prompt(
             model, tokenizer, sp, template=template, out_path=path, seed=job.seed,
-            held_out=eval_set_prompts(job.held_out_sets), existing=existing, examples_from=pool, engine=str(rg.engine),
+            held_out=held_out, existing=existing, examples_from=pool, engine=str(rg.engine),
             compile=rg.compile, overlap_prefill=rg.overlap_prefill, prefill_graphs=rg.prefill_graphs,
         )  # fmt: skip
     prompted = SelfPrompted(prompts, path, stats, {**OmegaConf.to_container(sp), **identity})
