@@ -235,6 +235,19 @@ def test_host_buffers_are_reused_and_grow_for_a_larger_batch() -> None:
     assert buffers.take(1, per_token=4).numel() == 60
 
 
+def test_reserved_host_buffers_are_the_ones_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    buffers = HostBuffers(torch.bfloat16, tokens=10, pin=False)
+    buffers.reserve(3, per_token=4)
+    reserved = {b.data_ptr() for b in buffers._free}
+    allocations = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocations.append(a) or empty(*a, **k))
+    taken = [buffers.take(10, per_token=4) for _ in range(3)]
+    assert {b.data_ptr() for b in taken} == reserved and not allocations  # nothing pinned once forwards run
+    buffers.reserve(3, per_token=4)  # tops up to 3 free: the taken ones are still out
+    assert len(buffers._free) == 3
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_pipelined_shards_are_byte_identical_to_a_sequential_reference(
     llama: LlamaForCausalLM, tmp_path: Path, dtype: torch.dtype

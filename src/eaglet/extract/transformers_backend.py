@@ -157,6 +157,10 @@ def batch_features(
         copier = DeviceToHost(target.device, HostBuffers(dtype, largest, pin=True))
         copier.upload_elements = max(_upload_elements(samples, batch) for batch in batches)
         depth = QUEUED_FORWARDS
+        # Pinned before the first forward: pinning while forwards are queued waits for them to finish, which
+        # stalled the first batches of every run (a few GB each at 8B scale).
+        per_token = (len(aux_ids) + 1) * target.parts.embed_tokens.weight.shape[1]
+        copier.buffers.reserve(QUEUED_FORWARDS + 1, per_token)
     in_flight: deque[InFlight] = deque()
     for batch in batches:
         in_flight.append(_launch(target, samples, batch, aux_ids, dtype, copier))
@@ -173,6 +177,13 @@ class HostBuffers:
     def __init__(self, dtype: torch.dtype, tokens: int, *, pin: bool) -> None:
         self.dtype, self.tokens, self.pin = dtype, tokens, pin
         self._free: list[torch.Tensor] = []
+
+    def reserve(self, count: int, per_token: int) -> None:
+        """Allocate `count` buffers of the current size now, for `take` to hand out later."""
+        self._free += [
+            torch.empty(self.tokens * per_token, dtype=self.dtype, pin_memory=self.pin)
+            for _ in range(count - len(self._free))
+        ]
 
     def take(self, tokens: int, per_token: int) -> torch.Tensor:
         """A buffer of at least `tokens` x `per_token` elements."""
