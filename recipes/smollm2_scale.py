@@ -85,14 +85,9 @@ OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "
 # one when eval_device=cpu).
 BUDGET_FILE = "budget.json"
 
-# The shared sets of people's chat prompts (the rest are maths and code).
-CHAT_PROMPT_FILES = (
-    "alpaca_en_demo",
-    "oasst_en100",
-    "oasst_prompt_lottery",
-    "self_instruct_seed",
-    "sharegpt_v3_head",
-)
+# The shared sets of people's first chat prompts (the rest are maths and code; with ShareGPT's many later turns,
+# "continue", "make it shorter", among the examples the target writes odder prompts: BENCHMARKS.md).
+CHAT_PROMPT_FILES = ("alpaca_en_demo", "oasst_en100", "oasst_prompt_lottery", "self_instruct_seed")
 
 # Token stores: what each changes against the experiment's data (under <out>/tokens/<name>). Answers are reused
 # from data/regenerated/ and data/self_prompted/, so only the main store generates.

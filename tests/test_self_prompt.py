@@ -211,13 +211,18 @@ def test_examples_from_the_dataset_come_before_each_prompt_and_are_never_kept(
         )
     )
     seen_prompts.clear()
-    scripted.next = 1
+    before = set((tmp_path / "self_prompted").glob("*.jsonl"))
+    texts[:] = [mine[0], "describe how volcanoes form under the sea", "tell me the history of paper making"]
+    scripted.next = 0
     run_extraction(
         compose(
             *overrides(data, tmp_path, *settings, f"extract.output_dir={tmp_path / 'o3'}"),
             f"extract.self_prompt.example_paths=[{pool_file}]",
         )
     )
+    (written,) = set((tmp_path / "self_prompted").glob("*.jsonl")) - before  # other examples: another file
+    kept = [json.loads(line)["conversations"][0]["content"] for line in written.read_text().splitlines()]
+    assert kept == texts[1:]  # a copy of an example is no new prompt
     for ids in seen_prompts:
         text = tokenizer.decode(ids)
         assert sum(t in text for t in mine) == 2 and not any(u in text for u in short)

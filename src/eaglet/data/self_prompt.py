@@ -162,6 +162,8 @@ def self_prompt(
     filter_ = NearDuplicates(cfg.near_duplicate_jaccard)
     for text in existing:
         filter_.add(text)
+    for text in examples_from if cfg.examples else ():  # a prompt that copies an example is no new prompt
+        filter_.add(normalise_prompt(text))
     kept = _read(out_path)
     for conv in kept:
         filter_.add(normalise_prompt(conv.turns[0].content))
