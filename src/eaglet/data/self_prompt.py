@@ -2,12 +2,13 @@
 
 Given its chat template rendered up to the start of a user turn (after a category's system prompt), an
 instruction model continues with a user message of the kind it was trained to answer (the "Magpie" method,
-arXiv 2406.08464). With `examples`, a few of the dataset's own user prompts come first as earlier turns (each
-answered by a fixed reply), drawn afresh for each prompt: the target then writes requests like those people
-write, whose answers a head trained on its own kind of prompts predicts less well. Prompts are generated in rounds through eaglet.generation (the engine on GPUs), cleaned,
-held out against every evaluation set, deduplicated exactly and approximately (eaglet.data.near_duplicates), and
-appended to a JSONL file in the shared schema (fsynced per round), so a killed run resumes and a later run with
-the same settings reuses them; a run asking for more prompts extends the file.
+arXiv 2406.08464). With `examples`, a few people's prompts (the dataset's, or those of `example_paths`) come
+first as earlier turns, each answered by a fixed reply and drawn afresh for each prompt: the target then writes
+requests like people's, whose answers a head trained on its own kind of prompts predicts less well. Prompts are
+generated in rounds through eaglet.generation (the engine on GPUs), cleaned, held out against every evaluation
+set, deduplicated exactly and approximately (eaglet.data.near_duplicates), and appended to a JSONL file in the
+shared schema (fsynced per round), so a killed run resumes and a later run with the same settings reuses them; a
+run asking for more prompts extends the file.
 """
 
 from __future__ import annotations
@@ -135,9 +136,9 @@ def self_prompt(
         raise ConfigError("extract.self_prompt.categories is empty: give at least one name: system prompt")
     if cfg.examples and len(examples_from) < cfg.examples:
         raise ConfigError(
-            f"extract.self_prompt.examples={cfg.examples} draws that many of the dataset's user prompts (of at "
-            f"most {_EXAMPLE_MAX_CHARS} characters) before each prompt, but the dataset has {len(examples_from)}; "
-            "lower extract.self_prompt.examples or use a larger dataset"
+            f"extract.self_prompt.examples={cfg.examples} draws that many user prompts of at most "
+            f"{_EXAMPLE_MAX_CHARS} characters (the dataset's, or extract.self_prompt.example_paths') before each "
+            f"prompt, but there are {len(examples_from)}; lower extract.self_prompt.examples or give more prompts"
         )
     template = resolve_chat_template(tokenizer, template)
     names = sorted(cfg.categories)
@@ -146,6 +147,7 @@ def self_prompt(
         prefixes[name], end = user_turn_prefix(tokenizer, template, cfg.categories[name])
         if end is not None:
             stops.add(end)
+    pool = list(examples_from)
 
     def prefix(attempt: int) -> list[int]:
         """The template up to the user text for `attempt`: its category's, after its own drawn examples."""
@@ -154,7 +156,7 @@ def self_prompt(
             return prefixes[name]
         system = cfg.categories[name]
         history = [Turn("system", system)] if system else []
-        for text in random.Random(_seed(seed, attempt)).sample(list(examples_from), cfg.examples):
+        for text in random.Random(_seed(seed, attempt)).sample(pool, cfg.examples):
             history += [Turn("user", text), Turn("assistant", cfg.example_reply)]
         return next_user_turn_prefix(tokenizer, template, history)[0]
 

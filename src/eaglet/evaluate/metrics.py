@@ -97,9 +97,8 @@ def evaluate_prompt(
         tokens, aux_by_layers = [*prompt, *reference], {}
         for name, proposer in proposers.items():
             if isinstance(proposer, Eagle3Proposer):
-                layers = tuple(
-                    proposer.aux_layer_ids
-                )  # one target forward for heads that read the same layers
+                # One target forward for heads that read the same layers.
+                layers = tuple(proposer.aux_layer_ids)
                 if layers not in aux_by_layers:
                     aux_by_layers[layers] = sequence_aux_states(target, layers, tokens)
                 outcome.positions[name] = position_counts(

@@ -167,7 +167,7 @@ class ShardDataModule(LightningDataModule):
         # Where the threads' loader hands batches out when no Trainer is attached; None: host memory.
         self.batch_device: torch.device | None = None
         # Applied by the threads' loader to each batch it hands out, on the GPU on its copy stream (online
-        # training's target forward: eaglet.train.online.OnlineTarget.overlap); None: none.
+        # training's target forward with trainer.online_overlap: OnlineTarget.features); None: none.
         self.batch_transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
