@@ -274,7 +274,7 @@ class FakeCopier:
     def __init__(self) -> None:
         self.log: list[tuple[str, int]] = []
 
-    def start(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], None]:
+    def start(self, batch: dict[str, torch.Tensor], transform=None) -> tuple[dict[str, torch.Tensor], None]:
         self.log.append(("start", int(batch["input_ids"][0])))
         return batch, None
 
@@ -322,9 +322,11 @@ def test_the_loader_applies_a_transform_to_every_batch_in_order() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream needs a CUDA device")
 def test_the_transform_runs_on_the_copy_stream_and_its_output_is_ready_on_the_training_stream() -> None:
-    copier = DeviceCopier("cuda", transform=_with_features)
+    copier = DeviceCopier("cuda")
     sampler = [[i] * 4096 for i in range(6)]
-    for k, batch in enumerate(PrefetchLoader(InstantDataset(), sampler, threads=2, copier=copier)):
+    for k, batch in enumerate(
+        PrefetchLoader(InstantDataset(), sampler, threads=2, copier=copier, transform=_with_features)
+    ):
         assert batch["aux_hidden_states"].device.type == "cuda"
         torch.cuda._sleep(1_000_000)  # a step on the training stream, while the next batch is transformed
         expected = torch.full((4096,), 2.0 * k + 1, device="cuda")

@@ -280,9 +280,7 @@ class ShardDataModule(LightningDataModule):
     def _copier(self) -> DeviceCopier | None:
         strategy = getattr(self.trainer, "strategy", None)
         device = strategy.root_device if strategy is not None else self.batch_device
-        if device is None or torch.device(device).type != "cuda":
-            return None
-        return DeviceCopier(device, transform=self.batch_transform)
+        return DeviceCopier(device) if device is not None and torch.device(device).type == "cuda" else None
 
     def _loader(self, sampler: PackedBatchSampler) -> DataLoader | PrefetchLoader:
         if self.num_workers == 0 and self.loader_threads > 0:

@@ -25,21 +25,20 @@ Transform = Callable[[Batch], Batch]
 
 
 class DeviceCopier:
-    """Copies batches to a CUDA device on its own stream, then applies `transform` there; `ready` hands one to
+    """Copies batches to a CUDA device on its own stream (and applies a transform there); `ready` hands one to
     the current stream."""
 
-    def __init__(self, device: torch.device | str, transform: Transform | None = None) -> None:
+    def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
         index = torch.cuda.current_device() if device.index is None else device.index
         self.device = torch.device("cuda", index)
         self.stream = torch.cuda.Stream(self.device)
-        self.transform = transform
 
-    def start(self, batch: Batch) -> tuple[Batch, torch.cuda.Event]:
+    def start(self, batch: Batch, transform: Transform | None = None) -> tuple[Batch, torch.cuda.Event]:
         with torch.cuda.stream(self.stream):
             moved = {name: t.to(self.device, non_blocking=True) for name, t in batch.items()}
-            if self.transform is not None:
-                moved = self.transform(moved)
+            if transform is not None:
+                moved = transform(moved)
             done = torch.cuda.Event()
             done.record(self.stream)
         return moved, done
@@ -60,8 +59,9 @@ class PrefetchLoader:
     At most `threads + 1` batches are built or waiting at once. `sampler` and `dataset` are exposed as on a
     DataLoader (Lightning calls `sampler.set_epoch`); `in_flight` counts the index lists of the latest
     iteration drawn from the sampler whose batches were not handed out. With a `copier`, batches are handed
-    out on its device (its transform applied), and the one after the batch handed out is already on its way
-    there when it is ready. Without one, `transform` is applied to each batch as it is handed out.
+    out on its device, and the one after the batch handed out is already on its way there when it is ready.
+    `transform` is applied to each batch before it is handed out: on the copier's stream, right after its copy,
+    when there is one.
     """
 
     def __init__(
@@ -75,7 +75,7 @@ class PrefetchLoader:
         if threads < 1:
             raise ValueError(f"PrefetchLoader needs at least one thread, got {threads}")
         self.dataset, self.sampler, self.threads, self.copier = dataset, sampler, threads, copier
-        self.transform = transform if copier is None else None
+        self.transform = transform
         self.batch_sampler = None  # as on a DataLoader with batch_size=None: Lightning looks for it
         self.in_flight = 0
 
@@ -109,13 +109,13 @@ class PrefetchLoader:
                     if self.transform is not None:
                         batch = self.transform(batch)
                 else:
-                    moving, ahead = ahead or copier.start(next_built()), None
+                    moving, ahead = ahead or copier.start(next_built(), self.transform), None
                     batch = copier.ready(*moving)
                     # The next copy overlaps the step about to run on `batch`. Waiting here for a batch still
                     # being built would stall that step: such a batch is copied when it is asked for.
                     upcoming = pending[0] if pending else None
                     if upcoming is not None and upcoming.done() and upcoming.exception() is None:
-                        ahead = copier.start(next_built())
+                        ahead = copier.start(next_built(), self.transform)
                 self.in_flight = len(pending) + (ahead is not None)
                 yield batch
         finally:
