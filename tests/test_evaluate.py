@@ -28,6 +28,7 @@ from eaglet.evaluate import (
 )
 from eaglet.evaluate.metrics import format_positions
 from eaglet.evaluate.positions import chain_logits, position_counts, position_summary
+from eaglet.evaluate.record import eval_summary
 from eaglet.formats.reader import load_eagle_draft
 from eaglet.formats.writer import export_eagle
 from eaglet.generation import decode_batch
@@ -464,6 +465,25 @@ def test_evaluation_scores_positions_when_asked(target, eagle_head, capsys) -> N
     positions = results["eagle3"]["positions"]
     assert positions["positions"] == answers and len(positions["accuracy"]) == 3
     assert "eagle3, per answer position as in validation: acc_k" in format_positions(results)
+    # The target's top-1 probability on its answers, against one full forward per answer token.
+    probs = []
+    for p in prompts:
+        answer = greedy_decode(target, p, 6)[0]
+        for i, token in enumerate(answer):
+            with torch.no_grad():
+                step = (
+                    target.model(input_ids=torch.tensor([p + answer[:i]])).logits[0, -1].float().softmax(-1)
+                )
+            assert int(step.argmax()) == token
+            probs.append(float(step[token]))
+    assert positions["target_top1"] == pytest.approx(sum(probs) / len(probs), rel=1e-5)
+    assert 0 < positions["target_top1"] < 1
+    summary = eval_summary(
+        {"num_spec_tokens": 3, "sets": {"s": {"prompts": 2, "overlap_dropped": 0, "results": results}}}
+    )
+    assert summary["eval/s/eagle3/target_top1"] == positions["target_top1"]
+    assert summary["eval/s/eagle3/position_acc_0"] == positions["accuracy"][0]
+    assert "eval/s/ngram/target_top1" not in summary
     plain = evaluate_prompts(target, proposers, prompts, num_spec_tokens=3, max_new_tokens=6)
     assert "positions" not in plain["eagle3"] and plain["eagle3"]["tau"] == results["eagle3"]["tau"]
 

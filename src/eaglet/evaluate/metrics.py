@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglet.evaluate.acceptance import DecodeStats
-from eaglet.evaluate.positions import position_counts, position_summary, sequence_aux_states
+from eaglet.evaluate.positions import position_counts, position_summary, sequence_aux_states, target_top1
 from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
 from eaglet.evaluate.speculative import LosslessError, greedy_decode, speculative_decode
 from eaglet.target_model import LoadedTarget
@@ -50,6 +50,8 @@ class PromptOutcome:
     near_ties: dict[str, int]
     # (right, scored) per draft step, for the EAGLE proposers scored position by position.
     positions: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # (sum, count) of the target's top-1 probability on the answer tokens, when scored position by position.
+    target_top1: tuple[float, int] = (0.0, 0)
 
 
 def warm_up(
@@ -95,6 +97,7 @@ def evaluate_prompt(
     outcome = PromptOutcome(greedy_seconds, stats={}, near_ties={})
     if position_accuracy:
         tokens, aux_by_layers = [*prompt, *reference], {}
+        outcome.target_top1 = target_top1(target, tokens, len(prompt))
         for name, proposer in proposers.items():
             if isinstance(proposer, Eagle3Proposer):
                 # One target forward for heads that read the same layers.
@@ -146,7 +149,8 @@ def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[s
         if name in outcomes[0].positions:
             right = [sum(o.positions[name][0][k] for o in outcomes) for k in range(num_spec_tokens)]
             scored = [sum(o.positions[name][1][k] for o in outcomes) for k in range(num_spec_tokens)]
-            results[name]["positions"] = position_summary(right, scored)
+            top1 = (sum(o.target_top1[0] for o in outcomes), sum(o.target_top1[1] for o in outcomes))
+            results[name]["positions"] = position_summary(right, scored, top1)
     return results
 
 
@@ -250,7 +254,8 @@ def format_positions(results: dict[str, dict[str, Any]]) -> str:
             accuracy = " / ".join(f"{a:.3f}" for a in p["accuracy"])
             lines.append(
                 f"{name}, per answer position as in validation: acc_k {accuracy}, tau_sim {p['tau_sim']:.2f} "
-                f"({p['positions']} positions)"
+                f"({p['positions']} positions); the target's own top-1 probability on these answers "
+                f"{p['target_top1']:.3f}"
             )
     return "\n".join(lines)
 

@@ -9,6 +9,10 @@ Step k at answer position t, as in training (eaglet.train.ttt): context up to t,
 tokens x_{t+1+k}; it predicts x_{t+2+k}. acc_k counts positions whose steps 0..k-1 were right. Each position's
 context is drafted afresh (chain entries must not see later positions), so the cost grows with the square of
 the answer's length: opt-in (eval.position_accuracy).
+
+Beside it, the target's own top-1 probability on the same answer tokens: how sure the target is of what it
+wrote. A head far below validation on a set the target is as sure of as of the training text has a data gap
+there (prompts unlike its training prompts), not a set that is hard to predict.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ def sequence_aux_states(target: LoadedTarget, aux_layer_ids: Sequence[int], toke
     ids = torch.tensor([list(tokens[:-1])], device=target.device)
     captured = capture_hidden_states(target.model, target.parts, ids, torch.ones_like(ids), aux_layer_ids)
     return captured.aux_hidden_states[0]
+
+
+@torch.inference_mode()
+def target_top1(target: LoadedTarget, tokens: Sequence[int], answer_start: int) -> tuple[float, int]:
+    """(sum over the answer tokens[answer_start:] of the target's top-1 probability where it chose them, how
+    many): for greedy answers the probability of the token it wrote."""
+    ids = torch.tensor([list(tokens)], device=target.device)
+    logits = target.model(input_ids=ids).logits[0, max(answer_start, 1) - 1 : len(tokens) - 1]
+    return float(logits.float().softmax(dim=-1).amax(dim=-1).sum()), int(logits.shape[0])
 
 
 @torch.inference_mode()
@@ -68,11 +81,20 @@ def position_counts(
     return right, scored
 
 
-def position_summary(right: Sequence[int], scored: Sequence[int]) -> dict[str, object]:
-    """acc_k (0 where nothing was scored), tau_sim = 1 + sum_k prod_{i<=k} acc_i, and the positions scored."""
+def position_summary(
+    right: Sequence[int], scored: Sequence[int], target_top1: tuple[float, int] = (0.0, 0)
+) -> dict[str, object]:
+    """acc_k (0 where nothing was scored), tau_sim = 1 + sum_k prod_{i<=k} acc_i, the positions scored, and the
+    target's mean top-1 probability on the answer tokens from `target_top1`'s summed (sum, count)."""
     acc = [r / s if s else 0.0 for r, s in zip(right, scored, strict=True)]
     tau, running = 1.0, 1.0
     for a in acc:
         running *= a
         tau += running
-    return {"accuracy": acc, "tau_sim": tau, "positions": scored[0] if scored else 0}
+    total, count = target_top1
+    return {
+        "accuracy": acc,
+        "tau_sim": tau,
+        "positions": scored[0] if scored else 0,
+        "target_top1": total / count if count else 0.0,
+    }

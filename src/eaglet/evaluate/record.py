@@ -18,9 +18,9 @@ def differing(result: dict[str, Any]) -> int | None:
 
 def eval_summary(results: dict[str, Any]) -> dict[str, float]:
     """The results as flat W&B summary values: eval/<set>/<proposer>/{tau, acceptance_<k>, speedup,
-    tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties, position_acc_<k> and
-    position_tau_sim with eval.position_accuracy}, eval/<set>/prompts; a value a server does not report (tokens
-    per forward, say) is left out."""
+    tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties, and with eval.position_accuracy
+    position_acc_<k>, position_tau_sim and target_top1}, eval/<set>/prompts; a value a server does not report
+    (tokens per forward, say) is left out."""
     summary: dict[str, float] = {"eval/num_spec_tokens": results["num_spec_tokens"]}
     for name, entry in results["sets"].items():
         summary[f"eval/{name}/prompts"] = entry["prompts"]
@@ -34,6 +34,7 @@ def eval_summary(results: dict[str, Any]) -> dict[str, float]:
             if "positions" in r:  # eval.position_accuracy
                 values |= {f"position_acc_{k}": a for k, a in enumerate(r["positions"]["accuracy"])}
                 values["position_tau_sim"] = r["positions"]["tau_sim"]
+                values["target_top1"] = r["positions"].get("target_top1")
             summary |= {f"{key}/{k}": v for k, v in values.items() if v is not None}
     return summary
 
