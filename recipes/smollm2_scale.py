@@ -131,14 +131,16 @@ ROWS: dict[str, Row] = {
     "ttt7": Row(
         "K = 7 TTT steps", overrides=("trainer.ttt_steps=7",), tokens="mid_tokens", against="scale_mid"
     ),
-    # Chat answers repeat the prompt's rare words (names, terms), which a small draft vocab cannot propose: 7.9%
-    # of the target's chat answer tokens fall outside the 8192-token vocab, 2% of its code's (BENCHMARKS.md).
+    # The target is as sure of its answers to people's chat prompts as of those to its own prompts, yet the head
+    # drafts the former far worse: a data gap (BENCHMARKS.md, "How sure the target is of its answers").
     "seeded": Row(
         "self-prompts written after examples of people's",
         store="seeded",
         tokens="mid_tokens",
         against="scale_mid",
     ),
+    # Chat answers repeat the prompt's rare words (names, terms), which a small draft vocab cannot propose: 7.9%
+    # of the target's chat answer tokens fall outside the 8192-token vocab, 2% of its code's (BENCHMARKS.md).
     "vocab16384": Row(
         "draft vocab 16384", overrides=("draft.vocab_size=16384",), tokens="mid_tokens", against="scale_mid"
     ),
