@@ -10,8 +10,9 @@ import pytest
 
 from eaglet.config import REPO_ROOT
 from eaglet.data import self_prompt as sp_module
+from eaglet.data.conversations import Turn
 from eaglet.data.near_duplicates import NearDuplicates, jaccard, shingles
-from eaglet.data.self_prompt import user_turn_prefix
+from eaglet.data.self_prompt import next_user_turn_prefix, next_user_turn_prefixes, user_turn_prefix
 from eaglet.errors import ConfigError
 from eaglet.extract.stage import run_extraction
 from eaglet.shards import ShardReader
@@ -49,6 +50,21 @@ def test_the_prefix_is_the_template_up_to_the_user_text(compose) -> None:
     text = tokenizer.decode(ids)
     assert text.endswith("<|im_start|>user\n") and "You answer questions about cooking." in text
     assert end == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # A round's prefixes, tokenized in one call, are each the one-by-one prefix.
+    histories = [
+        [],
+        [Turn("system", "Be brief.")],
+        [
+            Turn("user", "Wie spät ist es?  \n\n"),
+            Turn("assistant", "Sure."),
+            Turn("user", "naïve café 🍰 x²"),
+        ],
+        [Turn("system", "S"), Turn("user", "  leading spaces"), Turn("assistant", "Sure.")],
+    ]
+    assert next_user_turn_prefixes(tokenizer, tokenizer.chat_template, histories) == [
+        next_user_turn_prefix(tokenizer, tokenizer.chat_template, h)[0] for h in histories
+    ]
+    assert next_user_turn_prefixes(tokenizer, tokenizer.chat_template, []) == []
 
 
 def scripted(texts: list[str], calls: list[int]):

@@ -30,7 +30,7 @@ import torch
 from eaglet.config.schema import SelfPromptConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.holdout import normalise_prompt
-from eaglet.data.self_prompt import next_user_turn_prefix, prompt_category
+from eaglet.data.self_prompt import next_user_turn_prefix, next_user_turn_prefixes, prompt_category
 from eaglet.generation import decode_batch
 
 # Answers a list of conversations (prompt turns only) with the target: same ids and order, the answered copies.
@@ -92,8 +92,8 @@ def add_follow_ups(
             waiting = [current[i] for i in chosen if _awaits_turn(current[i], turn)]
             contexts = {c.id: _context(c, cfg.categories[prompt_category(c.id, names)]) for c in waiting}
             prompts = {}  # the conversations with room for a follow-up: what the target continues
-            for conv in waiting:
-                ids, _ = next_user_turn_prefix(tokenizer, template, contexts[conv.id])
+            rendered = next_user_turn_prefixes(tokenizer, template, [contexts[c.id] for c in waiting])
+            for conv, ids in zip(waiting, rendered, strict=True):
                 if len(ids) + cfg.max_prompt_tokens > max_length:
                     stats.no_room += 1
                 else:

@@ -71,6 +71,26 @@ def next_user_turn_prefix(
     """Token ids of the template rendering `history` (system, user and assistant turns) up to where the next
     user message's text starts, and the id of the special token that ends a user message (None when it is not
     a single token)."""
+    before, after = _around_user_text(tokenizer, template, history)
+    ids = tokenizer(before, add_special_tokens=False)["input_ids"]
+    following = tokenizer(after, add_special_tokens=False)["input_ids"]
+    end = following[0] if following and following[0] in tokenizer.all_special_ids else None
+    return [int(i) for i in ids], end
+
+
+def next_user_turn_prefixes(
+    tokenizer: Any, template: str, histories: Sequence[Sequence[Turn]]
+) -> list[list[int]]:
+    """next_user_turn_prefix's token ids for each of `histories`, tokenized in one call (a round's prefixes:
+    tokenizing them one by one cost more than rendering them)."""
+    if not histories:
+        return []
+    befores = [_around_user_text(tokenizer, template, history)[0] for history in histories]
+    return [[int(i) for i in ids] for ids in tokenizer(befores, add_special_tokens=False)["input_ids"]]
+
+
+def _around_user_text(tokenizer: Any, template: str, history: Sequence[Turn]) -> tuple[str, str]:
+    """The template's text rendering `history` and then a user message: (before, after) the message's text."""
     turns = [{"role": t.role, "content": t.content} for t in history] + [
         {"role": "user", "content": _SENTINEL}
     ]
@@ -83,10 +103,7 @@ def next_user_turn_prefix(
             "turn cannot be found; pass a template that does with model.chat_template='...'"
         )
     before, after = text.split(_SENTINEL)
-    ids = tokenizer(before, add_special_tokens=False)["input_ids"]
-    following = tokenizer(after, add_special_tokens=False)["input_ids"]
-    end = following[0] if following and following[0] in tokenizer.all_special_ids else None
-    return [int(i) for i in ids], end
+    return before, after
 
 
 def example_pool(user_prompts: Sequence[str]) -> list[str]:
@@ -149,16 +166,18 @@ def self_prompt(
             stops.add(end)
     pool = list(examples_from)
 
-    def prefix(attempt: int) -> list[int]:
-        """The template up to the user text for `attempt`: its category's, after its own drawn examples."""
-        name = names[attempt % len(names)]
+    def round_prefixes(attempts: range) -> list[list[int]]:
+        """The template up to the user text for each attempt: its category's, after its own drawn examples."""
         if not cfg.examples:
-            return prefixes[name]
-        system = cfg.categories[name]
-        history = [Turn("system", system)] if system else []
-        for text in random.Random(_seed(seed, attempt)).sample(pool, cfg.examples):
-            history += [Turn("user", text), Turn("assistant", cfg.example_reply)]
-        return next_user_turn_prefix(tokenizer, template, history)[0]
+            return [prefixes[names[a % len(names)]] for a in attempts]
+        histories = []
+        for attempt in attempts:
+            system = cfg.categories[names[attempt % len(names)]]
+            history = [Turn("system", system)] if system else []
+            for text in random.Random(_seed(seed, attempt)).sample(pool, cfg.examples):
+                history += [Turn("user", text), Turn("assistant", cfg.example_reply)]
+            histories.append(history)
+        return next_user_turn_prefixes(tokenizer, template, histories)
 
     stats = SelfPromptStats(categories=Counter())
     filter_ = NearDuplicates(cfg.near_duplicate_jaccard)
@@ -181,7 +200,7 @@ def self_prompt(
             count = max(cfg.batch_size, int((cfg.num_prompts - len(kept)) * 1.25))
             attempts = range(attempt, attempt + count)
             attempt += count
-            prompts = [prefix(a) for a in attempts]
+            prompts = round_prefixes(attempts)
             outputs = decode_batch(
                 model, prompts, max_new_tokens=cfg.max_prompt_tokens, stop_ids=stops,
                 pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
