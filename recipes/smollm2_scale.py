@@ -17,6 +17,8 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 - ttt7:   K = 7 training steps instead of 5, `mid_tokens` tokens: against scale_mid.
 - seeded: the self-prompts written after three people's chat prompts each (extract.self_prompt.examples=3 from the
           shared chat sets, temperature 0.7), `mid_tokens` tokens: against scale_mid.
+- people_x4: four answers (greedy and three sampled) to every shared prompt, the self-prompts' greedy ones only,
+          `mid_tokens` tokens: against scale_mid.
 - vocab16384: a draft vocab of 16384 instead of 8192, `mid_tokens` tokens: against scale_mid.
 - speculators: the speculators package's head on the data and steps of `speculators_row`
           (benchmarks/side_by_side_speculators.py), evaluated beside that row's head in the same run.
@@ -30,7 +32,8 @@ yet: benchmarks/bench_eval_workers.py; on 2 CPU cores no gain). A head can
 also be evaluated on another machine (it comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Estimated for the
 other rows: scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to
 tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, seeded ~7 (its own self-prompts and their answers, ~3;
-the shared answers reused), vocab16384 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
+the shared answers reused), people_x4 ~7 (three sampled answers to each of ~15K multi-turn conversations, not
+measured), vocab16384 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
 then an evaluation). Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
 on a bare machine) the data and the main head fit; the other rows take further sessions.
 
@@ -106,6 +109,13 @@ STORES: dict[str, tuple[str, ...]] = {
         "extract.self_prompt.temperature=0.7",
         "extract.self_prompt.top_p=0.9",
     ),
+    # Three sampled answers to every shared prompt (people's) besides the greedy one, none to self-written prompts:
+    # more of the target's answers to the kind of prompt its head predicts worst.
+    "people_x4": (
+        "extract.regenerate.samples_per_prompt=4",
+        "extract.regenerate.sampled_from=dataset",
+        "extract.regenerate.sampled_conversations=null",
+    ),
 }
 
 
@@ -136,6 +146,12 @@ ROWS: dict[str, Row] = {
     "seeded": Row(
         "self-prompts written after examples of people's",
         store="seeded",
+        tokens="mid_tokens",
+        against="scale_mid",
+    ),
+    "people_x4": Row(
+        "four answers to each of people's prompts",
+        store="people_x4",
         tokens="mid_tokens",
         against="scale_mid",
     ),

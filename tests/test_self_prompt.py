@@ -285,3 +285,44 @@ def test_the_real_decoder_runs_and_a_target_that_never_ends_a_turn_gives_up(comp
         held_out=set(),
     )  # fmt: skip
     assert prompts == [] and stats.generated == stats.unfinished > 0
+
+
+def test_sampled_answers_for_the_datasets_conversations_only(
+    compose, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sampled_from=dataset: people's prompts get sampled answers, the target's own prompts greedy ones only."""
+    from eaglet.target_model import load_target
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join((SHARED / "oasst_en100.jsonl").read_text().splitlines(keepends=True)[:2]))
+    dataset_ids = [json.loads(line)["id"] for line in data.read_text().splitlines()]
+    texts = [
+        "explain how a rainbow forms in the sky after the rain stops",
+        "write a haiku about autumn leaves falling on a quiet river",
+    ]
+    cfg = compose(*overrides(data, tmp_path))
+    scripted.tokenizer = load_target(cfg.model, device="cpu", cache_dir=Path(cfg.paths.cache_dir)).tokenizer
+    monkeypatch.setattr(sp_module, "decode_batch", scripted(texts, []))
+    sampled = ["extract.self_prompt.num_prompts=2", "extract.regenerate.samples_per_prompt=3"]
+
+    def sampled_ids() -> list[str]:
+        files = [f for f in (tmp_path / "regenerated").iterdir() if "#s1" in f.read_text()]
+        return sorted(json.loads(line)["id"] for f in files for line in f.read_text().splitlines())
+
+    for sampled_from, sequences, out in (("dataset", 2 + 2 + 2 * 2, "o1"), ("all", 2 + 2 + 4 * 2, "o2")):
+        scripted.next = 0
+        summary = run_extraction(
+            compose(
+                *overrides(
+                    data, tmp_path, *sampled, f"extract.regenerate.sampled_from={sampled_from}",
+                    f"extract.output_dir={tmp_path / out}",
+                )
+            )
+        )  # fmt: skip
+        assert summary.sequences == sequences, sampled_from
+        people = sorted(f"{i}#s{k}" for i in dataset_ids for k in (1, 2))
+        own = sorted(f"sp-{a}#s{k}" for a in (0, 1) for k in (1, 2))
+        # The second run reuses the dataset's sampled answers and adds the self-prompted ones'.
+        assert sampled_ids() == (people if sampled_from == "dataset" else sorted(people + own))
+    with pytest.raises(Exception, match="sampled_from"):
+        compose(*overrides(data, tmp_path, "extract.regenerate.sampled_from=people"))

@@ -135,3 +135,10 @@ class GenerationEngine(StrEnum):
     auto = "auto"
     engine = "engine"  # static slots and CUDA graphs: llama, mistral, qwen2, qwen3
     reference = "reference"  # any transformers model, CPU or GPU
+
+
+class SampledFrom(StrEnum):
+    """Which conversations get sampled answers (extract.regenerate.samples_per_prompt > 1)."""
+
+    all = "all"  # the dataset's and the self-prompted ones
+    dataset = "dataset"  # the dataset's only: more answers to people's prompts, none to the target's own

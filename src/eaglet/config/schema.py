@@ -24,6 +24,7 @@ from eaglet.config.choices import (
     GenerationEngine,
     Interconnect,
     ModelSource,
+    SampledFrom,
     ServerRole,
     SweepObjective,
     TargetDtype,
@@ -175,6 +176,9 @@ class RegenerateConfig:
     # null: for every conversation. Sampled tokens cost as much to generate as greedy ones: this spends a
     # generation budget on a share of sampled answers without giving up prompts.
     sampled_conversations: int | None = None
+    # dataset: sampled answers for the dataset's conversations only (people's prompts), never the self-prompted
+    # ones; sampled_conversations still caps them.
+    sampled_from: SampledFrom = SampledFrom.all
     batch_size: int = 16
     # In-process: decode steps between checks for finished answers, whose rows then take the next turn.
     # Sampling is seeded by the top-level `seed`.

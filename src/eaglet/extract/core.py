@@ -214,6 +214,8 @@ def prepare_samples(
             longer = {c.id: c for c in conversations if c.id in ids}
             originals = [longer.get(c.id, c) for c in originals]
         if rg.samples_per_prompt > 1:
+            if rg.sampled_from == "dataset":  # the dataset's come first, then the self-prompted ones
+                originals = originals[: len(originals) - (len(prompted.prompts) if prompted else 0)]
             sampled, stats = _regenerate(
                 job,
                 sample_copies(originals[: rg.sampled_conversations], rg.samples_per_prompt),
@@ -261,10 +263,18 @@ def regenerate_settings(
     regen = job.extract.regenerate
     if not regen.enabled:
         return None
-    sampling = ("samples_per_prompt", "sample_temperature", "sample_top_p", "sampled_conversations")
+    sampling = (
+        "samples_per_prompt",
+        "sample_temperature",
+        "sample_top_p",
+        "sampled_conversations",
+        "sampled_from",
+    )
     unused = sampling if regen.samples_per_prompt == 1 else ()
     if regen.sampled_conversations is None:  # every conversation sampled: as before the key existed
         unused += ("sampled_conversations",)
+    if regen.sampled_from == "all":  # as before the key existed
+        unused += ("sampled_from",)
     unused += ("overlap_prefill", "prefill_graphs")  # how the engine prefills, not what it answers
     return {k: v for k, v in dict(regen).items() if k not in without + unused} | {"seed": job.seed}
 
