@@ -41,7 +41,8 @@ def target_top1(target: LoadedTarget, tokens: Sequence[int], answer_start: int) 
     many): for greedy answers the probability of the token it wrote."""
     ids = torch.tensor([list(tokens)], device=target.device)
     logits = target.model(input_ids=ids).logits[0, max(answer_start, 1) - 1 : len(tokens) - 1]
-    return float(logits.float().softmax(dim=-1).amax(dim=-1).sum()), int(logits.shape[0])
+    top = (logits.amax(dim=-1).float() - logits.float().logsumexp(dim=-1)).exp()  # no [T, V] softmax kept
+    return float(top.sum()), int(logits.shape[0])
 
 
 @torch.inference_mode()
