@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from eaglet.evaluate import (
     speculative_decode,
 )
 from eaglet.evaluate.metrics import format_positions
-from eaglet.evaluate.positions import chain_logits, position_counts, position_summary
+from eaglet.evaluate.positions import chain_logits, in_draft_vocab, position_counts, position_summary
 from eaglet.evaluate.record import eval_summary
 from eaglet.formats.reader import load_eagle_draft
 from eaglet.formats.writer import export_eagle
@@ -453,6 +454,17 @@ def test_position_accuracy_scores_what_training_predicts() -> None:
     assert summary["tau_sim"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
 
 
+def test_in_draft_vocab_counts_the_predicted_answer_tokens_the_vocab_holds() -> None:
+    drafter = SimpleNamespace(head=SimpleNamespace(draft_target_ids=torch.tensor([3, 5, 8])))
+    # Answer from index 4: tokens 5 8 9 3 predicted, three of them in the vocab.
+    assert in_draft_vocab(drafter, [1, 2, 3, 4, 5, 8, 9, 3], answer_start=4) == (4, 3)
+    # After a one-token prompt the first answer token is not predicted (training's first prediction is token 2).
+    assert in_draft_vocab(drafter, [7, 3, 5, 6], answer_start=1) == (2, 1)
+    summary = position_summary([1], [2], in_vocab=(4, 3))
+    assert summary["in_draft_vocab"] == 0.75
+    assert position_summary([1], [2])["in_draft_vocab"] == 0.0
+
+
 def test_evaluation_scores_positions_when_asked(target, eagle_head, capsys) -> None:
     head, aux_ids = eagle_head
     proposers = {"ngram": NgramProposer(), "eagle3": Eagle3Proposer(head, aux_ids)}
@@ -478,10 +490,17 @@ def test_evaluation_scores_positions_when_asked(target, eagle_head, capsys) -> N
             probs.append(float(step[token]))
     assert positions["target_top1"] == pytest.approx(sum(probs) / len(probs), rel=1e-5)
     assert 0 < positions["target_top1"] < 1
+    # The share of the answer tokens the head's draft vocab holds, against a plain set lookup.
+    vocab = set(head.draft_target_ids.tolist())
+    answer_tokens = [t for p in prompts for t in greedy_decode(target, p, 6)[0]]
+    held = sum(t in vocab for t in answer_tokens)
+    assert positions["in_draft_vocab"] == pytest.approx(held / len(answer_tokens))
+    assert max(positions["accuracy"]) <= positions["in_draft_vocab"]
     summary = eval_summary(
         {"num_spec_tokens": 3, "sets": {"s": {"prompts": 2, "overlap_dropped": 0, "results": results}}}
     )
     assert summary["eval/s/eagle3/target_top1"] == positions["target_top1"]
+    assert summary["eval/s/eagle3/in_draft_vocab"] == positions["in_draft_vocab"]
     assert summary["eval/s/eagle3/position_acc_0"] == positions["accuracy"][0]
     assert "eval/s/ngram/target_top1" not in summary
     plain = evaluate_prompts(target, proposers, prompts, num_spec_tokens=3, max_new_tokens=6)

@@ -16,7 +16,13 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglet.evaluate.acceptance import DecodeStats
-from eaglet.evaluate.positions import position_counts, position_summary, sequence_aux_states, target_top1
+from eaglet.evaluate.positions import (
+    in_draft_vocab,
+    position_counts,
+    position_summary,
+    sequence_aux_states,
+    target_top1,
+)
 from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
 from eaglet.evaluate.speculative import LosslessError, greedy_decode, speculative_decode
 from eaglet.target_model import LoadedTarget
@@ -52,6 +58,8 @@ class PromptOutcome:
     positions: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     # (sum, count) of the target's top-1 probability on the answer tokens, when scored position by position.
     target_top1: tuple[float, int] = (0.0, 0)
+    # (answer tokens predicted, how many the draft vocab holds) per EAGLE proposer scored position by position.
+    in_vocab: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def warm_up(
@@ -107,6 +115,7 @@ def evaluate_prompt(
                 outcome.positions[name] = position_counts(
                     proposer.drafter, tokens, aux_by_layers[layers], len(prompt), num_spec_tokens
                 )
+                outcome.in_vocab[name] = in_draft_vocab(proposer.drafter, tokens, len(prompt))
     for name, proposer in proposers.items():
         output, outcome.stats[name] = speculative_decode(
             target,
@@ -150,7 +159,11 @@ def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[s
             right = [sum(o.positions[name][0][k] for o in outcomes) for k in range(num_spec_tokens)]
             scored = [sum(o.positions[name][1][k] for o in outcomes) for k in range(num_spec_tokens)]
             top1 = (sum(o.target_top1[0] for o in outcomes), sum(o.target_top1[1] for o in outcomes))
-            results[name]["positions"] = position_summary(right, scored, top1)
+            in_vocab = (
+                sum(o.in_vocab[name][0] for o in outcomes),
+                sum(o.in_vocab[name][1] for o in outcomes),
+            )
+            results[name]["positions"] = position_summary(right, scored, top1, in_vocab)
     return results
 
 
@@ -255,7 +268,7 @@ def format_positions(results: dict[str, dict[str, Any]]) -> str:
             lines.append(
                 f"{name}, per answer position as in validation: acc_k {accuracy}, tau_sim {p['tau_sim']:.2f} "
                 f"({p['positions']} positions); the target's own top-1 probability on these answers "
-                f"{p['target_top1']:.3f}"
+                f"{p['target_top1']:.3f}; in the draft vocab {p.get('in_draft_vocab', 0.0):.1%}"
             )
     return "\n".join(lines)
 

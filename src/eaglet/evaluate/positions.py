@@ -12,7 +12,9 @@ the answer's length: opt-in (eval.position_accuracy).
 
 Beside it, the target's own top-1 probability on the same answer tokens: how sure the target is of what it
 wrote. A head far below validation on a set the target is as sure of as of the training text has a data gap
-there (prompts unlike its training prompts), not a set that is hard to predict.
+there (prompts unlike its training prompts), not a set that is hard to predict. And the share of those answer
+tokens the head's draft vocabulary holds: no draft step can propose a token outside it, so this share bounds acc_0
+(a set far below 1 wants a larger draft.vocab_size).
 """
 
 from __future__ import annotations
@@ -82,20 +84,33 @@ def position_counts(
     return right, scored
 
 
+def in_draft_vocab(drafter: Eagle3Drafter, tokens: Sequence[int], answer_start: int) -> tuple[int, int]:
+    """(how many of the tokens position_counts predicts at step 0, how many of those the draft vocab holds)."""
+    predicted = torch.tensor(list(tokens[max(answer_start, 2) :]), dtype=torch.long)
+    vocab = drafter.head.draft_target_ids.to("cpu")
+    return int(predicted.numel()), int(torch.isin(predicted, vocab).sum())
+
+
 def position_summary(
-    right: Sequence[int], scored: Sequence[int], target_top1: tuple[float, int] = (0.0, 0)
+    right: Sequence[int],
+    scored: Sequence[int],
+    target_top1: tuple[float, int] = (0.0, 0),
+    in_vocab: tuple[int, int] = (0, 0),
 ) -> dict[str, object]:
-    """acc_k (0 where nothing was scored), tau_sim = 1 + sum_k prod_{i<=k} acc_i, the positions scored, and the
-    target's mean top-1 probability on the answer tokens from `target_top1`'s summed (sum, count)."""
+    """acc_k (0 where nothing was scored), tau_sim = 1 + sum_k prod_{i<=k} acc_i, the positions scored, the
+    target's mean top-1 probability on the answer tokens from `target_top1`'s summed (sum, count), and the share
+    of the predicted tokens in the draft vocab from `in_vocab`'s summed (predicted, in the vocab)."""
     acc = [r / s if s else 0.0 for r, s in zip(right, scored, strict=True)]
     tau, running = 1.0, 1.0
     for a in acc:
         running *= a
         tau += running
     total, count = target_top1
+    predicted, held = in_vocab
     return {
         "accuracy": acc,
         "tau_sim": tau,
         "positions": scored[0] if scored else 0,
         "target_top1": total / count if count else 0.0,
+        "in_draft_vocab": held / predicted if predicted else 0.0,
     }

@@ -19,7 +19,7 @@ def differing(result: dict[str, Any]) -> int | None:
 def eval_summary(results: dict[str, Any]) -> dict[str, float]:
     """The results as flat W&B summary values: eval/<set>/<proposer>/{tau, acceptance_<k>, speedup,
     tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties, and with eval.position_accuracy
-    position_acc_<k>, position_tau_sim and target_top1}, eval/<set>/prompts; a value a server does not report
+    position_acc_<k>, position_tau_sim, target_top1 and in_draft_vocab}, eval/<set>/prompts; a value a server does not report
     (tokens per forward, say) is left out."""
     summary: dict[str, float] = {"eval/num_spec_tokens": results["num_spec_tokens"]}
     for name, entry in results["sets"].items():
@@ -35,6 +35,7 @@ def eval_summary(results: dict[str, Any]) -> dict[str, float]:
                 values |= {f"position_acc_{k}": a for k, a in enumerate(r["positions"]["accuracy"])}
                 values["position_tau_sim"] = r["positions"]["tau_sim"]
                 values["target_top1"] = r["positions"].get("target_top1")
+                values["in_draft_vocab"] = r["positions"].get("in_draft_vocab")
             summary |= {f"{key}/{k}": v for k, v in values.items() if v is not None}
     return summary
 
