@@ -8,12 +8,17 @@ as trained, and after three people's chat prompts as the `seeded` store writes t
 greedily; over the answer tokens the table gives the target's mean top-1 probability (the probability of the
 token it wrote), the share of tokens it wrote with probability >= 0.9, its mean entropy and the share of tokens
 that already occur earlier in the conversation. A head that does far worse on one kind than on another the target
-is as sure of is missing that kind of data, not facing harder text. Appends the table to
+is as sure of is missing that kind of data, not facing harder text. Last, the share of the answer tokens that a
+draft vocab of 8192 and of 16384 tokens holds (the most frequent tokens of the target's answers to the shared
+prompts shipped with the package, as extraction's token counts would choose them): no draft can propose a token
+outside its vocab, so the share bounds the first draft token's acceptance. Appends the table to
 experiments/BENCHMARKS.md with the command, machine and date.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
 import tempfile
 from datetime import date
@@ -24,6 +29,7 @@ from bench_common import machine, parse_bench_options
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import eaglet
 import eaglet.config
 from eaglet.config import check_config
 from eaglet.data.conversations import load_conversations
@@ -32,11 +38,15 @@ from eaglet.data.self_prompt import example_pool, self_prompt
 from eaglet.data.templating import build_prompt_ids, resolve_chat_template
 from eaglet.evaluate.prompts import load_prompt_sets
 from eaglet.generation import decode_batch
+from eaglet.shards.vocab import build_vocab_mapping
 from eaglet.target_model import load_target
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 DEFAULTS = {"prompts": 16, "new_tokens": 128, "seed": 11, "record": 1}
 # The `seeded` store's examples: first user turns of the shared chat sets (recipes/smollm2_scale.py).
+# The target's answers to every shared prompt, shipped with the package: the counts the draft vocabs come from.
+SHARED_ANSWERS = Path(eaglet.__file__).parent / "assets" / "smollm2_135m_shared_all.jsonl.gz"
+DRAFT_VOCABS = (8192, 16384)  # the scale recipe's draft vocab and its vocab16384 row's
 CHAT_PROMPT_FILES = ("alpaca_en_demo", "oasst_en100", "oasst_prompt_lottery", "self_instruct_seed")
 SELF_PROMPTED = {
     "self-prompted, as trained (T 1.0)": {},
@@ -70,13 +80,31 @@ def written_prompts(cfg, target, template: str, settings: dict, count: int, seed
     return [build_prompt_ids(target.tokenizer, [c.turns[0]], chat_template=template) for c in prompts]
 
 
+def draft_vocabs(tokenizer, vocab_size: int) -> dict[int, torch.Tensor]:
+    """Per size in DRAFT_VOCABS, the bool [vocab_size] mask of the ids a draft vocab of that size holds, built
+    from the counts of the tokens of the shipped answers (assistant turns) as extraction builds it."""
+    with gzip.open(SHARED_ANSWERS, "rt", encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    answers = [t["content"] for r in records for t in r["conversations"] if t["role"] == "assistant"]
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids in tokenizer(answers, add_special_tokens=False)["input_ids"]:
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size)
+    return {size: build_vocab_mapping(counts, size)[1] for size in DRAFT_VOCABS}
+
+
 @torch.inference_mode()
-def confidence(target, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """The target's greedy answers to `prompts`, and how sure it was of each answer token."""
+def confidence(
+    target, prompts: list[list[int]], new_tokens: int, vocabs: dict[int, torch.Tensor]
+) -> dict[str, float]:
+    """The target's greedy answers to `prompts`, how sure it was of each answer token, and the share of them
+    each draft vocab of `vocabs` holds."""
     eos = int(target.tokenizer.eos_token_id)
     answers = decode_batch(target.model, prompts, max_new_tokens=new_tokens, stop_ids={eos}, pad_id=eos)
     top1, entropy, copied = [], [], 0
+    held = dict.fromkeys(vocabs, 0)
     for prompt, answer in zip(prompts, answers, strict=True):
+        for size, mask in vocabs.items():
+            held[size] += int(mask[torch.tensor(answer, dtype=torch.long)].sum())
         ids = torch.tensor([prompt + answer], device=target.device)
         logits = (
             target.model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + len(answer) - 1].float()
@@ -93,6 +121,7 @@ def confidence(target, prompts: list[list[int]], new_tokens: int) -> dict[str, f
         "sure": sum(p >= 0.9 for p in top1) / n,
         "entropy": sum(entropy) / n,
         "copied": copied / n,
+        **{f"in_vocab_{size}": count / n for size, count in held.items()},
     }
 
 
@@ -106,19 +135,25 @@ def main(argv: list[str]) -> None:
     check_config(cfg)
     target = load_target(cfg.model, device="auto", cache_dir=Path(cfg.paths.cache_dir))
     template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
+    vocabs = draft_vocabs(target.tokenizer, int(target.model.config.vocab_size))
     kinds = {name: prompts for name, (prompts, _) in load_prompt_sets(cfg, target.tokenizer).items()}
     for name, settings in SELF_PROMPTED.items():
         kinds[name] = written_prompts(cfg, target, template, settings, opts["prompts"], opts["seed"])
     header = (
         "| date | machine | target | prompts | kind of prompt | answer tokens | mean top-1 probability "
-        "| written at p >= 0.9 | mean entropy (nats) | already in the conversation |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| written at p >= 0.9 | mean entropy (nats) | already in the conversation "
+        + "".join(f"| in a {size:,}-token draft vocab " for size in DRAFT_VOCABS)
+        + "|\n"
+        + "|---" * (10 + len(DRAFT_VOCABS))
+        + "|"
     )
     rows = []
     for name, prompts in kinds.items():
-        c = confidence(target, prompts[: opts["prompts"]], opts["new_tokens"])
+        c = confidence(target, prompts[: opts["prompts"]], opts["new_tokens"], vocabs)
         rows.append(
             f"| {date.today()} | {machine()} | {cfg.model.name} ({target.dtype}) | {c['prompts']} | {name} "
             f"| {c['tokens']:,} | {c['top1']:.3f} | {c['sure']:.1%} | {c['entropy']:.2f} | {c['copied']:.1%} |"
+            + "".join(f" {c[f'in_vocab_{size}']:.1%} |" for size in DRAFT_VOCABS)
         )
         print(rows[-1], flush=True)
     table = header + "\n" + "\n".join(rows)
