@@ -10,7 +10,8 @@ token it wrote), the share of tokens it wrote with probability >= 0.9, its mean 
 that already occur earlier in the conversation. A head that does far worse on one kind than on another the target
 is as sure of is missing that kind of data, not facing harder text. Last, the share of the answer tokens that a
 draft vocab of 8192 and of 16384 tokens holds (the most frequent tokens of the target's answers to the shared
-prompts shipped with the package, as extraction's token counts would choose them): no draft can propose a token
+prompts shipped with the package, the experiment's extract.regenerate.import_from, each answer's text tokenized
+alone): no draft can propose a token
 outside its vocab, so the share bounds the first draft token's acceptance. Appends the table to
 experiments/BENCHMARKS.md with the command, machine and date.
 """
@@ -29,7 +30,6 @@ from bench_common import machine, parse_bench_options
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import eaglet
 import eaglet.config
 from eaglet.config import check_config
 from eaglet.data.conversations import load_conversations
@@ -38,14 +38,12 @@ from eaglet.data.self_prompt import example_pool, self_prompt
 from eaglet.data.templating import build_prompt_ids, resolve_chat_template
 from eaglet.evaluate.prompts import load_prompt_sets
 from eaglet.generation import decode_batch
-from eaglet.shards.vocab import build_vocab_mapping
+from eaglet.shards.vocab import build_vocab_mapping, count_tokens
 from eaglet.target_model import load_target
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 DEFAULTS = {"prompts": 16, "new_tokens": 128, "seed": 11, "record": 1}
 # The `seeded` store's examples: first user turns of the shared chat sets (recipes/smollm2_scale.py).
-# The target's answers to every shared prompt, shipped with the package: the counts the draft vocabs come from.
-SHARED_ANSWERS = Path(eaglet.__file__).parent / "assets" / "smollm2_135m_shared_all.jsonl.gz"
 DRAFT_VOCABS = (8192, 16384)  # the scale recipe's draft vocab and its vocab16384 row's
 CHAT_PROMPT_FILES = ("alpaca_en_demo", "oasst_en100", "oasst_prompt_lottery", "self_instruct_seed")
 SELF_PROMPTED = {
@@ -80,15 +78,14 @@ def written_prompts(cfg, target, template: str, settings: dict, count: int, seed
     return [build_prompt_ids(target.tokenizer, [c.turns[0]], chat_template=template) for c in prompts]
 
 
-def draft_vocabs(tokenizer, vocab_size: int) -> dict[int, torch.Tensor]:
-    """Per size in DRAFT_VOCABS, the bool [vocab_size] mask of the ids a draft vocab of that size holds, built
-    from the counts of the tokens of the shipped answers (assistant turns) as extraction builds it."""
-    with gzip.open(SHARED_ANSWERS, "rt", encoding="utf-8") as fh:
+def draft_vocabs(answers_file: Path, tokenizer, vocab_size: int) -> dict[int, torch.Tensor]:
+    """Per size in DRAFT_VOCABS, the bool [vocab_size] mask of the ids a draft vocab of that size holds, built as
+    extraction builds it from the counts of the tokens of the answers (assistant turns) in `answers_file`."""
+    with gzip.open(answers_file, "rt", encoding="utf-8") as fh:
         records = [json.loads(line) for line in fh if line.strip()]
     answers = [t["content"] for r in records for t in r["conversations"] if t["role"] == "assistant"]
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ids in tokenizer(answers, add_special_tokens=False)["input_ids"]:
-        counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size)
+    ids = torch.tensor([i for a in tokenizer(answers, add_special_tokens=False)["input_ids"] for i in a])
+    counts = count_tokens(ids, torch.ones_like(ids), vocab_size)
     return {size: build_vocab_mapping(counts, size)[1] for size in DRAFT_VOCABS}
 
 
@@ -135,7 +132,8 @@ def main(argv: list[str]) -> None:
     check_config(cfg)
     target = load_target(cfg.model, device="auto", cache_dir=Path(cfg.paths.cache_dir))
     template = resolve_chat_template(target.tokenizer, cfg.model.chat_template)
-    vocabs = draft_vocabs(target.tokenizer, int(target.model.config.vocab_size))
+    answers_file = Path(cfg.extract.regenerate.import_from)
+    vocabs = draft_vocabs(answers_file, target.tokenizer, int(target.model.config.vocab_size))
     kinds = {name: prompts for name, (prompts, _) in load_prompt_sets(cfg, target.tokenizer).items()}
     for name, settings in SELF_PROMPTED.items():
         kinds[name] = written_prompts(cfg, target, template, settings, opts["prompts"], opts["seed"])

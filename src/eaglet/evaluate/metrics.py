@@ -268,7 +268,7 @@ def format_positions(results: dict[str, dict[str, Any]]) -> str:
             lines.append(
                 f"{name}, per answer position as in validation: acc_k {accuracy}, tau_sim {p['tau_sim']:.2f} "
                 f"({p['positions']} positions); the target's own top-1 probability on these answers "
-                f"{p['target_top1']:.3f}; in the draft vocab {p.get('in_draft_vocab', 0.0):.1%}"
+                f"{p['target_top1']:.3f}; in the draft vocab {p['in_draft_vocab']:.1%}"
             )
     return "\n".join(lines)
 
