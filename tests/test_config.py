@@ -15,7 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from eaglet.config import CONF_DIR, REPO_ROOT
+from eaglet.config import CONF_DIR, REPO_ROOT, shared_data_dir
 
 GROUPS = {
     group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -275,7 +275,7 @@ def test_two_clones_sharing_one_virtualenv_each_write_their_own_data_and_outputs
     for clone in clones:
         paths = OmegaConf.create(_plan(clone, env, "--cfg", "job", "--resolve").stdout).paths
         assert (paths.data_dir, paths.output_dir) == (str(clone / "data"), str(clone / "outputs"))
-        assert (paths.cache_dir, paths.shared_data) == (str(clone / ".cache"), str(clone / "../shared/data"))
+        assert (paths.cache_dir, paths.shared_data) == (str(clone / ".cache"), str(shared_data_dir(clone)))
         _plan(clone, env)  # a run: Hydra writes its folder under the clone's outputs/
         assert len(list((clone / "outputs" / "plan").glob("*/.hydra/config.yaml"))) == 1
     assert set((REPO_ROOT / "outputs" / "plan").glob("*")) == before  # nothing went to the package's checkout
@@ -283,3 +283,40 @@ def test_two_clones_sharing_one_virtualenv_each_write_their_own_data_and_outputs
     shown = _plan(clones[0], {**env, "EAGLET_ROOT": str(clones[1])}, "--cfg", "job", "--resolve")
     paths = OmegaConf.create(shown.stdout).paths
     assert (paths.data_dir, paths.output_dir) == (str(clones[1] / "data"), str(clones[1] / "outputs"))
+
+
+def _git_clone(source: Path, target: Path) -> Path:
+    subprocess.run(["git", "init", "-q", str(source)], check=True)
+    subprocess.run(["git", "clone", "-q", str(source), str(target)], check=True, capture_output=True)
+    return target
+
+
+def test_shared_data_is_found_beside_the_project_root_first(tmp_path: Path) -> None:
+    for place in ("a/shared/data", "b/shared/data"):
+        (tmp_path / place).mkdir(parents=True)
+    (tmp_path / "a/project").mkdir()
+    (tmp_path / "b/checkout").mkdir()
+    found = shared_data_dir(tmp_path / "a/project", checkout=tmp_path / "b/checkout")
+    assert found == tmp_path / "a/shared/data"
+    # None beside the project root: the one beside the checkout the code runs from.
+    (tmp_path / "c/project").mkdir(parents=True)
+    assert (
+        shared_data_dir(tmp_path / "c/project", checkout=tmp_path / "b/checkout")
+        == tmp_path / "b/shared/data"
+    )
+
+
+def test_a_clone_made_elsewhere_finds_the_shared_data_beside_its_origin(tmp_path: Path) -> None:
+    (tmp_path / "work/shared/data").mkdir(parents=True)
+    clone = _git_clone(tmp_path / "work/main", tmp_path / "elsewhere/fresh")
+    assert shared_data_dir(clone, checkout=clone) == tmp_path / "work/shared/data"
+
+
+def test_without_shared_data_anywhere_the_path_beside_the_project_root_is_named(tmp_path: Path) -> None:
+    clone = _git_clone(tmp_path / "work/main", tmp_path / "elsewhere/fresh")
+    assert shared_data_dir(clone, checkout=clone) == tmp_path / "elsewhere/shared/data"
+    # A remote origin is never taken for a folder.
+    subprocess.run(["git", "-C", str(clone), "remote", "set-url", "origin", "git@host:work/main"], check=True)
+    other = tmp_path / "other"
+    shutil.copytree(clone, other)
+    assert shared_data_dir(other, checkout=other) == tmp_path / "shared/data"

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.config import shared_data_dir
 from eaglet.config.schema import DatasetConfig, EvalSetConfig
 from eaglet.data.conversations import Conversation, Turn, load_conversations, read_jsonl_conversations
 from eaglet.data.dataset import load_dataset
 from eaglet.errors import ConfigError, DataError
 
-OASST = Path("/work/shared/data/oasst_en100.jsonl")
+OASST = shared_data_dir() / "oasst_en100.jsonl"
 
 
 def record(cid: str, *roles: str) -> dict:

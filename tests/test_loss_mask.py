@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from eaglet.config import shared_data_dir
 from eaglet.data.conversations import Conversation, Turn, load_conversations
 from eaglet.data.templating import (
     ChatTemplateError,
@@ -20,7 +21,7 @@ from eaglet.data.templating import (
 )
 from eaglet.errors import ConfigError, DataError
 
-OASST = Path("/work/shared/data/oasst_en100.jsonl")
+OASST = shared_data_dir() / "oasst_en100.jsonl"
 
 # Modelled on Llama-3.1-Instruct's template (tool calling left out): BOS from the tokenizer, a system
 # header carrying dates, contents trimmed, every turn closed by <|eot_id|>.

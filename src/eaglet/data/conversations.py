@@ -145,8 +145,9 @@ def _check_paths(paths: Sequence[str | Path]) -> list[Path]:
     if missing:
         absent = sorted({str(Path(path).parent) for path in missing if not Path(path).parent.is_dir()})
         where = (
-            f" (no folder {', '.join(absent)}: the shipped dataset configs read paths.shared_data, which is "
-            "../shared/data beside the project root unless EAGLET_SHARED_DATA=/path/to/shared/data is set)"
+            f" (no folder {', '.join(absent)}: the shipped dataset configs read paths.shared_data, the first "
+            "../shared/data found beside the project root, this checkout or the repository it was cloned from; "
+            "set EAGLET_SHARED_DATA=/path/to/shared/data to point elsewhere)"
             if absent
             else ""
         )
