@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import load_file
 from volumes import small_volume
 
-from eaglet.config import ASSETS_DIR, REPO_ROOT
+from eaglet.config import ASSETS_DIR, REPO_ROOT, shared_data_dir
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.stage import run_extraction
 from eaglet.shards import ShardReader, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.target_model import load_target
 
-SHARED = REPO_ROOT.parent / "shared" / "data"
+SHARED = shared_data_dir()
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

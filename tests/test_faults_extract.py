@@ -26,10 +26,11 @@ from typing import Any, NoReturn
 import pytest
 from volumes import small_volume
 
+from eaglet.config import shared_data_dir
 from eaglet.errors import DataError
 from eaglet.shards import ShardReader
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = shared_data_dir()
 PAGE = 4096
 SEED = 18
 

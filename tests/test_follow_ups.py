@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from eaglet.config import REPO_ROOT
+from eaglet.config import shared_data_dir
 from eaglet.config.schema import SelfPromptConfig
 from eaglet.data import follow_ups as follow_ups_module
 from eaglet.data import self_prompt as self_prompt_module
@@ -19,7 +19,7 @@ from eaglet.errors import ConfigError
 from eaglet.extract.report import print_summary
 from eaglet.extract.stage import run_extraction
 
-SHARED = Path(os.environ.get("EAGLET_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
+SHARED = Path(os.environ.get("EAGLET_SHARED_DATA") or shared_data_dir())
 PROMPTS = [
     "explain how a rainbow forms in the sky after the rain stops",
     "write a haiku about autumn leaves falling on a quiet river",

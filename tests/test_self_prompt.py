@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglet.config import REPO_ROOT
+from eaglet.config import shared_data_dir
 from eaglet.data import self_prompt as sp_module
 from eaglet.data.conversations import Turn
 from eaglet.data.near_duplicates import NearDuplicates, jaccard, shingles
@@ -17,7 +17,7 @@ from eaglet.errors import ConfigError
 from eaglet.extract.stage import run_extraction
 from eaglet.shards import ShardReader
 
-SHARED = REPO_ROOT.parent / "shared" / "data"
+SHARED = shared_data_dir()
 LONG = "please write a short python function that returns the sum of the squares of a list of numbers"
 
 

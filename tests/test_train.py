@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglet.config import REPO_ROOT
+from eaglet.config import REPO_ROOT, shared_data_dir
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.stage import run_extraction
 from eaglet.run_dir import RunDir
 from eaglet.train.run import resolve_ckpt_path, run_training
 
-SHARED = REPO_ROOT.parent / "shared" / "data"
+SHARED = shared_data_dir()
 CONTRACT = {
     "embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",

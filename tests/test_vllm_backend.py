@@ -39,7 +39,7 @@ from transformers import (
     LlamaConfig,
 )
 
-from eaglet.config import REPO_ROOT
+from eaglet.config import REPO_ROOT, shared_data_dir
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.templating import tokenize_conversation
 from eaglet.errors import ConfigError, DataError
@@ -57,7 +57,7 @@ from eaglet.shards import ShardReader, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.target_model import capture_hidden_states, config_hash, find_target_parts, load_tokenizer
 
-SHARED = REPO_ROOT.parent / "shared" / "data"
+SHARED = shared_data_dir()
 TINY = {"num_layers": 6, "hidden_size": 64, "vocab_size": 49152}
 
 
