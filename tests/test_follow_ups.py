@@ -218,3 +218,17 @@ def test_a_larger_share_follows_up_the_conversations_a_smaller_one_chose() -> No
 def test_a_bad_follow_up_setting_names_its_key(compose, tmp_path: Path, setting: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         compose(*overrides(tmp_path, f"extract.self_prompt.{setting}"))
+
+
+def test_a_follow_up_with_a_unicode_line_separator_is_read_back_whole(tmp_path: Path) -> None:
+    """The target may write U+2028 or U+0085 in a follow-up; a resumed run reads the file back record by record."""
+    from eaglet.fsutil import append_jsonl
+
+    path = tmp_path / "follow_ups.jsonl"
+    records = [
+        {"id": "a", "turn": 1, "history": "h1", "text": "one\u2028two\x85three", "finished": True},
+        {"id": "b", "turn": 1, "history": "h2", "text": "plain", "finished": False},
+    ]
+    with open(path, "ab") as sink:
+        append_jsonl(sink, records)
+    assert follow_ups_module._read(path) == {(r["id"], r["turn"], r["history"]): r for r in records}

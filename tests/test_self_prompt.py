@@ -10,7 +10,7 @@ import pytest
 
 from eaglet.config import shared_data_dir
 from eaglet.data import self_prompt as sp_module
-from eaglet.data.conversations import Turn
+from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.near_duplicates import NearDuplicates, jaccard, shingles
 from eaglet.data.self_prompt import next_user_turn_prefix, next_user_turn_prefixes, user_turn_prefix
 from eaglet.errors import ConfigError
@@ -326,3 +326,17 @@ def test_sampled_answers_for_the_datasets_conversations_only(
         assert sampled_ids() == (people if sampled_from == "dataset" else sorted(people + own))
     with pytest.raises(Exception, match="sampled_from"):
         compose(*overrides(data, tmp_path, "extract.regenerate.sampled_from=people"))
+
+
+def test_a_kept_prompt_with_a_unicode_line_separator_is_read_back_whole(tmp_path: Path) -> None:
+    """The target may write U+2028 or U+0085 in a prompt; a resumed run reads the file back record by record."""
+    path = tmp_path / "prompts.jsonl"
+    prompts = [
+        Conversation(id="sp-0", turns=(Turn("user", "first\u2028second\x85third"),), source="", line=0),
+        Conversation(id="sp-3", turns=(Turn("user", "plain"),), source="", line=0),
+    ]
+    with open(path, "ab") as sink:
+        sp_module._append(sink, prompts, ["a", "b"])
+    assert [(c.id, c.turns[0].content) for c in sp_module._read(path)] == [
+        (c.id, c.turns[0].content) for c in prompts
+    ]

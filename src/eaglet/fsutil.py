@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from eaglet.errors import DiskFullError
+from eaglet.errors import DataError, DiskFullError
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # atomic_output writes NAME inside a folder `.NAME.tmp-PID` beside it.
@@ -130,3 +130,38 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} PiB"
+
+
+def append_jsonl(sink: Any, records: list[dict[str, Any]]) -> None:
+    """Append `records` to the binary file `sink` as JSON lines and fsync: once this returns they survive a kill."""
+    sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    sink.flush()
+    os.fsync(sink.fileno())
+
+
+def read_appended_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file written by append_jsonl, [] if it does not exist. A last line cut by a kill is
+    dropped and truncated away, so the next append starts on a line of its own.
+
+    Lines are split on b"\\n" only: JSON escapes newlines inside strings, but text may hold other characters that
+    str.splitlines() takes for line ends (U+2028, U+0085, form feed), which ensure_ascii=False writes as they are."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    complete = raw[: raw.rfind(b"\n") + 1]
+    if len(complete) < len(raw):
+        with open(path, "r+b") as fh:
+            fh.truncate(len(complete))
+    records = []
+    for number, line in enumerate(complete.split(b"\n"), 1):
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as exc:
+            raise DataError(
+                f"{path}, line {number}: not a JSON record ({exc}); the file was changed by hand or is damaged: "
+                "delete it to write it again, or remove that line to keep the rest"
+            ) from None
+    return records

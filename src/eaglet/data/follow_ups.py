@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +30,7 @@ from eaglet.config.schema import SelfPromptConfig
 from eaglet.data.conversations import Conversation, Turn
 from eaglet.data.holdout import normalise_prompt
 from eaglet.data.self_prompt import next_user_turn_prefix, next_user_turn_prefixes, prompt_category
+from eaglet.fsutil import append_jsonl, read_appended_jsonl
 from eaglet.generation import decode_batch
 
 # Answers a list of conversations (prompt turns only) with the target: same ids and order, the answered copies.
@@ -115,7 +115,7 @@ def add_follow_ups(
                 stats.generated += len(fresh)
                 stats.tokens += sum(len(tokens) for tokens in outputs)
                 recorded.update((_key(r["id"], turn, contexts[r["id"]]), r) for r in fresh)
-                _append(sink, fresh)
+                append_jsonl(sink, fresh)
             extended = []
             for conv_id in prompts:
                 record = recorded[_key(conv_id, turn, contexts[conv_id])]
@@ -219,21 +219,6 @@ def _drop_reason(record: Mapping[str, Any], cfg: SelfPromptConfig, held_out: set
     return None
 
 
-def _append(sink: Any, records: list[dict[str, Any]]) -> None:
-    """Append records and fsync: once this returns they survive a kill (a partial last line is cut on reading)."""
-    sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
-    sink.flush()
-    os.fsync(sink.fileno())
-
-
 def _read(path: Path) -> dict[tuple[str, int, str], dict[str, Any]]:
     """The follow-ups earlier runs wrote; a last line cut by a kill is dropped (and overwritten by the next append)."""
-    if not path.exists():
-        return {}
-    raw = path.read_bytes()
-    complete = raw[: raw.rfind(b"\n") + 1]
-    if len(complete) < len(raw):
-        with open(path, "r+b") as fh:
-            fh.truncate(len(complete))
-    records = (json.loads(line) for line in complete.decode("utf-8").splitlines())
-    return {(r["id"], r["turn"], r["history"]): r for r in records}
+    return {(r["id"], r["turn"], r["history"]): r for r in read_appended_jsonl(path)}

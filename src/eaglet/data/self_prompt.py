@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import time
 from collections import Counter
@@ -32,6 +31,7 @@ from eaglet.data.holdout import normalise_prompt
 from eaglet.data.near_duplicates import NearDuplicates
 from eaglet.data.templating import ChatTemplateError, resolve_chat_template
 from eaglet.errors import ConfigError
+from eaglet.fsutil import append_jsonl, read_appended_jsonl
 from eaglet.generation import decode_batch
 
 # Stands for the user message while the template is rendered; the prefix before it is what the target continues.
@@ -267,42 +267,30 @@ def prompt_category(conv_id: str, names: list[str]) -> str:
 
 def _append(sink: Any, conversations: list[Conversation], names: list[str]) -> None:
     """Append records and fsync: once this returns they survive a kill (a partial last line is cut on reading)."""
-    lines = [
-        json.dumps(
+    append_jsonl(
+        sink,
+        [
             {
                 "id": c.id,
                 "category": prompt_category(c.id, names),
                 "conversations": [{"role": "user", "content": c.turns[0].content}],
-            },
-            ensure_ascii=False,
-        )
-        + "\n"
-        for c in conversations
-    ]
-    sink.write("".join(lines).encode("utf-8"))
-    sink.flush()
-    os.fsync(sink.fileno())
+            }
+            for c in conversations
+        ],
+    )
 
 
 def _read(path: Path) -> list[Conversation]:
     """The prompts a previous run kept; a last line cut by a kill is dropped (and overwritten by the next append)."""
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    complete = raw[: raw.rfind(b"\n") + 1]
-    if len(complete) < len(raw):
-        with open(path, "r+b") as fh:
-            fh.truncate(len(complete))
-    kept = []
-    for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
-        record = json.loads(line)
-        kept.append(
-            Conversation(
-                id=record["id"], turns=(Turn("user", record["conversations"][0]["content"]),),
-                source=str(path), line=number,
-            )
+    return [
+        Conversation(
+            id=record["id"],
+            turns=(Turn("user", record["conversations"][0]["content"]),),
+            source=str(path),
+            line=number,
         )  # fmt: skip
-    return kept
+        for number, record in enumerate(read_appended_jsonl(path), 1)
+    ]
 
 
 def _next_attempt(kept: list[Conversation]) -> int:
