@@ -14,15 +14,18 @@ bf16 autocast on GPUs), from the same initial head. Online, the module runs the 
 micro-batch inside the step, then again with the loader running it on its copy stream, one micro-batch
 ahead (trainer.online_overlap). The row gives tokens/s of each (wall clock over the measured steps), their
 ratio, the target's packed forward alone on the same micro-batches, and the disk each needed per token.
+With bench.repeats=N the three runs take turns N times and each rate is the median of its N; with
+trainer.compile=true an untimed offline run first compiles every graph and shape the timed runs meet.
 
 Options: bench.batch_tokens, bench.steps, bench.warmup, bench.min_len, bench.max_len, bench.prompt_percent,
-bench.loader_threads, bench.seed, bench.record (0: print the row only). Other arguments are Hydra overrides
+bench.loader_threads, bench.seed, bench.repeats, bench.record (0: print the row only). Other arguments are Hydra overrides
 (model=..., trainer.ttt_steps=..., trainer.compile=true, draft.vocab_size=...).
 """
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -66,6 +69,7 @@ DEFAULTS: dict[str, int] = {
     "prompt_percent": 25,
     "loader_threads": 2,
     "seed": 0,
+    "repeats": 1,
     "record": 1,
 }
 
@@ -224,9 +228,16 @@ def main(argv: list[str]) -> None:
         online = OnlineTarget(
             target, resolve_aux_layer_ids(cfg.model), cfg.model.head_dim, STORED_DTYPES[cfg.extract.dtype]
         )
-        offline_tps = train(cfg, folders["shards"], None, device, opts)
-        online_tps = train(cfg, folders["tokens"], online, device, opts)
-        overlap_tps = train(cfg, folders["tokens"], online, device, opts, overlap=True)
+        if cfg.trainer.compile:  # untimed: compiles every graph (and shape) the timed passes meet
+            train(cfg, folders["shards"], None, device, opts)
+        rates: dict[str, list[float]] = {"offline": [], "online": [], "overlap": []}
+        for _ in range(opts["repeats"]):  # interleaved, so that a drift of the clock touches all three alike
+            rates["offline"].append(train(cfg, folders["shards"], None, device, opts))
+            rates["online"].append(train(cfg, folders["tokens"], online, device, opts))
+            rates["overlap"].append(train(cfg, folders["tokens"], online, device, opts, overlap=True))
+        offline_tps, online_tps, overlap_tps = (
+            statistics.median(rates[k]) for k in ("offline", "online", "overlap")
+        )
         forward_tps = forward_rate(folders["tokens"], online, device, opts)
         per_token = {
             name: sum(p.stat().st_size for p in folder.glob("shard-*")) / sum(s.num_tokens for s in samples)
@@ -241,9 +252,10 @@ def main(argv: list[str]) -> None:
         "| disk B/token: shards, tokens |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
+    steps = f"{opts['steps']} x {opts['repeats']}" if opts["repeats"] > 1 else str(opts["steps"])
     row = (
         f"| {date.today()} | {machine()} | {cfg.model.name} ({cfg.model.source}, {target.dtype}) | {tr.ttt_steps} "
-        f"| {cfg.draft.vocab_size:,} | {'yes' if tr.compile else 'no'} | {opts['batch_tokens']:,} | {opts['steps']} "
+        f"| {cfg.draft.vocab_size:,} | {'yes' if tr.compile else 'no'} | {opts['batch_tokens']:,} | {steps} "
         f"| {offline_tps:,.0f} | {online_tps:,.0f} | {online_tps / offline_tps:.2f}x | {overlap_tps:,.0f} "
         f"| {overlap_tps / offline_tps:.2f}x | {forward_tps:,.0f} "
         f"| {per_token['shards']:,.0f}, {per_token['tokens']:,.1f} |"

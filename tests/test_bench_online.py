@@ -17,10 +17,18 @@ def test_tiny_run_records_one_row(tmp_path: Path, model_cache: Path, monkeypatch
     bench_file = tmp_path / "BENCH.md"
     monkeypatch.setattr(bench_online, "BENCH_FILE", bench_file)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    runs, real_train = [], bench_online.train
+
+    def counted_train(*args, **kwargs):
+        runs.append(kwargs.get("overlap", False))
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(bench_online, "train", counted_train)
     bench_online.main(
         ["model=tiny_llama", f"paths.cache_dir={model_cache}", "draft.vocab_size=128", "bench.batch_tokens=512",
-         "bench.steps=2", "bench.warmup=1", "bench.min_len=32", "bench.max_len=256"]
+         "bench.steps=2", "bench.warmup=1", "bench.min_len=32", "bench.max_len=256", "bench.repeats=2"]
     )  # fmt: skip
+    assert runs == [False, False, True] * 2  # offline, online and overlapped, taking turns twice
     text = bench_file.read_text()
     assert "bench_online.py model=tiny_llama" in text
     header, _, row = [line for line in text.splitlines() if line.startswith("|")]
@@ -32,6 +40,7 @@ def test_tiny_run_records_one_row(tmp_path: Path, model_cache: Path, monkeypatch
         float(cells[k].replace(",", ""))
         for k in ("offline tok/s", "online tok/s", "online, overlapped tok/s", "target forward tok/s")
     )
+    assert cells["steps"] == "2 x 2"
     assert offline > 0 and online > 0 and overlapped > 0 and forward > 0
     assert cells["online / offline"] == f"{online / offline:.2f}x"
     assert cells["overlapped / offline"] == f"{overlapped / offline:.2f}x"
