@@ -89,6 +89,7 @@ from eaglet.shards.window import (
     read_stream_plan,
     write_stream_plan,
 )
+from eaglet.target_model import LoadedTarget, load_target
 
 
 @dataclass
@@ -176,6 +177,55 @@ def chat_template(job: ExtractionJob, tokenizer: Any) -> str:
     """The template every conversation is rendered with (the model's, or model.chat_template)."""
     return resolve_chat_template(
         tokenizer, job.model.chat_template, chat_template_variables(job.model, job.extract.regenerate)
+    )
+
+
+@dataclass
+class LoadedJob:
+    """The target loaded here for a job, its chat template and identity, and the job's samples to write."""
+
+    target: LoadedTarget
+    template: str
+    identity: TargetIdentity
+    samples: Samples
+
+
+def load_job(job: ExtractionJob) -> LoadedJob:
+    """Load the target where extract.device says and prepare the job's samples with it (self-prompts and
+    regenerated answers written in-process): what both in-process backends start from."""
+    conversations, no_assistant = job.load_conversations()
+    target = load_target(job.model, device=job.extract.device, cache_dir=job.cache_dir)
+    template = chat_template(job, target.tokenizer)
+    identity = TargetIdentity(
+        config_hash=target.config_hash,
+        tokenizer_hash=target.tokenizer_hash,
+        dtype=str(target.dtype),
+        device=target.device.type,
+    )
+    samples = prepare_samples(
+        job, conversations, no_assistant, target.tokenizer, template, identity, model=target.model
+    )
+    return LoadedJob(target, template, identity, samples)
+
+
+def new_manifest(
+    job: ExtractionJob, identity: dict[str, Any], aux_ids: list[int], fingerprint: str
+) -> Manifest:
+    """The manifest of a folder this run starts, in progress (both backends store the last layer's output
+    before the final norm)."""
+    model = job.model
+    return Manifest(
+        version=MANIFEST_VERSION,
+        status="in_progress",
+        target=identity["target"],
+        aux_layer_ids=aux_ids,
+        last_layer_id=model.num_layers,
+        last_hidden_pre_norm=True,
+        hidden_size=model.hidden_size,
+        vocab_size=model.vocab_size,
+        dtype=job.extract.dtype,
+        inputs_fingerprint=fingerprint,
+        settings=identity["settings"],
     )
 
 
@@ -310,7 +360,7 @@ def start_folder(
 
     Both backends store the last layer's output before the final norm (vLLM's id L is that state too).
     """
-    ext, model, out_dir = job.extract, job.model, job.out_dir
+    ext, out_dir = job.extract, job.out_dir
     fingerprint = _fingerprint(identity, samples)
     manifest = _prepare_output(out_dir, fingerprint, overwrite=ext.overwrite)
     head_path = out_dir / TARGET_HEAD_FILE
@@ -320,19 +370,7 @@ def start_folder(
     folder = ShardFolder(out_dir, manifest, _check_disk(out_dir, sizes, budget))
     with folder.writing():
         if manifest is None:
-            folder.manifest = Manifest(
-                version=MANIFEST_VERSION,
-                status="in_progress",
-                target=identity["target"],
-                aux_layer_ids=aux_ids,
-                last_layer_id=model.num_layers,
-                last_hidden_pre_norm=True,
-                hidden_size=model.hidden_size,
-                vocab_size=model.vocab_size,
-                dtype=ext.dtype,
-                inputs_fingerprint=fingerprint,
-                settings=identity["settings"],
-            )
+            folder.manifest = new_manifest(job, identity, aux_ids, fingerprint)
             write_manifest(out_dir, folder.manifest)
         if head is not None:
             with atomic_output(head_path) as tmp:

@@ -17,29 +17,18 @@ from eaglet.data.templating import TokenizedConversation
 from eaglet.extract import core
 from eaglet.extract.job import ExtractionJob
 from eaglet.extract.plan import plan_shards
-from eaglet.shards import MANIFEST_VERSION, Manifest, write_manifest
+from eaglet.shards import Manifest, write_manifest
 from eaglet.shards.tokens import TOKEN_BYTES_PER_TOKEN, TOKEN_FEATURES, write_token_shard
-from eaglet.target_model import load_target, resolve_aux_layer_ids
+from eaglet.target_model import resolve_aux_layer_ids
 
 
 def run_token_extraction(job: ExtractionJob) -> core.ExtractSummary:
     """Write the job's token store (job.out_dir); returns what was written."""
-    ext = job.extract
     aux_ids = resolve_aux_layer_ids(job.model)
-    conversations, no_assistant = job.load_conversations()
-    # Loaded for what identifies it (online training checks the store against the target it loads) and to
-    # regenerate answers in-process; it never runs over the conversations here.
-    target = load_target(job.model, device=ext.device, cache_dir=job.cache_dir)
-    template = core.chat_template(job, target.tokenizer)
-    identity = core.TargetIdentity(
-        config_hash=target.config_hash,
-        tokenizer_hash=target.tokenizer_hash,
-        dtype=str(target.dtype),
-        device=target.device.type,
-    )
-    samples = core.prepare_samples(
-        job, conversations, no_assistant, target.tokenizer, template, identity, model=target.model
-    )
+    # The target is loaded for what identifies it (online training checks the store against the target it loads)
+    # and to regenerate answers in-process; it never runs over the conversations here.
+    loaded = core.load_job(job)
+    template, identity, samples = loaded.template, loaded.identity, loaded.samples
     settings = {
         **core.shared_settings(job, aux_ids),
         "features": TOKEN_FEATURES,
@@ -81,19 +70,7 @@ def start_token_folder(
     }
     folder = core.ShardFolder(out_dir, manifest, core._check_disk(out_dir, sizes))
     if manifest is None:
-        folder.manifest = Manifest(
-            version=MANIFEST_VERSION,
-            status="in_progress",
-            target=identity["target"],
-            aux_layer_ids=aux_ids,
-            last_layer_id=model.num_layers,
-            last_hidden_pre_norm=True,
-            hidden_size=model.hidden_size,
-            vocab_size=model.vocab_size,
-            dtype=ext.dtype,
-            inputs_fingerprint=fingerprint,
-            settings=identity["settings"],
-        )
+        folder.manifest = core.new_manifest(job, identity, aux_ids, fingerprint)
         with folder.writing():
             write_manifest(out_dir, folder.manifest)
     return folder

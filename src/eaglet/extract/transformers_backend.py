@@ -31,7 +31,6 @@ from eaglet.target_model import (
     LoadedTarget,
     capture_hidden_states,
     head_weights,
-    load_target,
     resolve_aux_layer_ids,
 )
 
@@ -45,19 +44,8 @@ def run_transformers_extraction(job: ExtractionJob) -> core.ExtractSummary:
     """Extract the job's dataset with the target loaded here; returns what was written."""
     ext = job.extract
     aux_ids = resolve_aux_layer_ids(job.model)
-    conversations, no_assistant = job.load_conversations()
-
-    target = load_target(job.model, device=ext.device, cache_dir=job.cache_dir)
-    template = core.chat_template(job, target.tokenizer)
-    identity = core.TargetIdentity(
-        config_hash=target.config_hash,
-        tokenizer_hash=target.tokenizer_hash,
-        dtype=str(target.dtype),
-        device=target.device.type,
-    )
-    samples = core.prepare_samples(
-        job, conversations, no_assistant, target.tokenizer, template, identity, model=target.model
-    )
+    loaded = core.load_job(job)
+    target, template, identity, samples = loaded.target, loaded.template, loaded.identity, loaded.samples
     settings = {
         **core.shared_settings(job, aux_ids),
         # Batch composition changes float rounding in the forward: part of the identity.
