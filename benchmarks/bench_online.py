@@ -18,8 +18,8 @@ With bench.repeats=N the three runs take turns N times and each rate is the medi
 trainer.compile=true an untimed offline run first compiles every graph and shape the timed runs meet.
 
 Options: bench.batch_tokens, bench.steps, bench.warmup, bench.min_len, bench.max_len, bench.prompt_percent,
-bench.loader_threads, bench.seed, bench.repeats, bench.record (0: print the row only). Other arguments are Hydra overrides
-(model=..., trainer.ttt_steps=..., trainer.compile=true, draft.vocab_size=...).
+bench.loader_threads, bench.seed, bench.repeats, bench.record (0: print the row only). Other arguments are
+Hydra overrides (model=..., trainer.ttt_steps=..., trainer.compile=true, draft.vocab_size=...).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ also be evaluated on another machine (it comes back as a folder: evaluate.py eva
 other rows: scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to
 tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, seeded ~7 (its own self-prompts and their answers, ~3;
 the shared answers reused), people_x4 ~7 (three sampled answers to each of ~15K multi-turn conversations, not
-measured), vocab16384 ~4.5 (measured on one H100, 2026-12-05, 12M tokens: scale_mid and vocab16384 each ~2.5 min of
-training and ~2 of evaluation at eval_prompts=10; the data with 30K self-prompts ~6), speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
-then an evaluation). Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
+measured), vocab16384 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
+then an evaluation). Measured on one H100 (2026-12-05, 12M tokens, eval_prompts=10): scale_mid and vocab16384
+each ~2.5 min of training and ~2 of evaluation; the data with 30K self-prompts ~6. Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
 on a bare machine) the data and the main head fit; the other rows take further sessions.
 
 `budget_s=B`: the whole recipe, over every invocation, ends within B seconds of its first start (<out>/budget.json

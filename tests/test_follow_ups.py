@@ -18,6 +18,7 @@ from eaglet.data.conversations import Turn
 from eaglet.errors import ConfigError
 from eaglet.extract.report import print_summary
 from eaglet.extract.stage import run_extraction
+from eaglet.fsutil import append_jsonl
 
 SHARED = Path(os.environ.get("EAGLET_SHARED_DATA") or shared_data_dir())
 PROMPTS = [
@@ -222,8 +223,6 @@ def test_a_bad_follow_up_setting_names_its_key(compose, tmp_path: Path, setting:
 
 def test_a_follow_up_with_a_unicode_line_separator_is_read_back_whole(tmp_path: Path) -> None:
     """The target may write U+2028 or U+0085 in a follow-up; a resumed run reads the file back record by record."""
-    from eaglet.fsutil import append_jsonl
-
     path = tmp_path / "follow_ups.jsonl"
     records = [
         {"id": "a", "turn": 1, "history": "h1", "text": "one\u2028two\x85three", "finished": True},

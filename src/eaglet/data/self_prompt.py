@@ -288,7 +288,7 @@ def _read(path: Path) -> list[Conversation]:
             turns=(Turn("user", record["conversations"][0]["content"]),),
             source=str(path),
             line=number,
-        )  # fmt: skip
+        )
         for number, record in enumerate(read_appended_jsonl(path), 1)
     ]
 
