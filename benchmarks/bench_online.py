@@ -15,7 +15,9 @@ micro-batch inside the step, then again with the loader running it on its copy s
 ahead (trainer.online_overlap). The row gives tokens/s of each (wall clock over the measured steps), their
 ratio, the target's packed forward alone on the same micro-batches, and the disk each needed per token.
 With bench.repeats=N the three runs take turns N times and each rate is the median of its N; with
-trainer.compile=true an untimed offline run first compiles every graph and shape the timed runs meet.
+trainer.compile=true an untimed offline run first compiles every graph and shape the timed runs meet. With
+trainer.online_compile=true the target's forward is timed eager first, then with its layers compiled, and both
+online runs train with the compiled target.
 
 Options: bench.batch_tokens, bench.steps, bench.warmup, bench.min_len, bench.max_len, bench.prompt_percent,
 bench.loader_threads, bench.seed, bench.repeats, bench.record (0: print the row only). Other arguments are
@@ -209,10 +211,15 @@ def forward_rate(folder: Path, online: OnlineTarget, device: torch.device, opts:
     return sum(b["input_ids"].numel() for b in batches[opts["warmup"] :]) / (time.perf_counter() - start)
 
 
+def yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def main(argv: list[str]) -> None:
     opts, overrides = parse(argv)
     with initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+        # Online: the trainer options of online training apply (trainer.online_compile); it times shards too.
+        cfg = compose("config", overrides=["trainer.features=online", *overrides])
     check_config(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.model, device=str(device), cache_dir=Path(cfg.paths.cache_dir))
@@ -228,6 +235,10 @@ def main(argv: list[str]) -> None:
         online = OnlineTarget(
             target, resolve_aux_layer_ids(cfg.model), cfg.model.head_dim, STORED_DTYPES[cfg.extract.dtype]
         )
+        forward_tps = {"eager": forward_rate(folders["tokens"], online, device, opts)}
+        if cfg.trainer.online_compile:  # its warm-up compiles the target's layers before the runs below
+            online.compile_layers()
+            forward_tps["compiled"] = forward_rate(folders["tokens"], online, device, opts)
         if cfg.trainer.compile:  # untimed: compiles every graph (and shape) the timed passes meet
             train(cfg, folders["shards"], None, device, opts)
         rates: dict[str, list[float]] = {"offline": [], "online": [], "overlap": []}
@@ -238,7 +249,6 @@ def main(argv: list[str]) -> None:
         offline_tps, online_tps, overlap_tps = (
             statistics.median(rates[k]) for k in ("offline", "online", "overlap")
         )
-        forward_tps = forward_rate(folders["tokens"], online, device, opts)
         per_token = {
             name: sum(p.stat().st_size for p in folder.glob("shard-*")) / sum(s.num_tokens for s in samples)
             for name, folder in folders.items()
@@ -247,17 +257,18 @@ def main(argv: list[str]) -> None:
         shutil.rmtree(root)
     tr = cfg.trainer
     header = (
-        "| date | machine | target | K | draft vocab | compiled | micro-batch tokens | steps | offline tok/s "
-        "| online tok/s | online / offline | online, overlapped tok/s | overlapped / offline | target forward tok/s "
-        "| disk B/token: shards, tokens |\n"
+        "| date | machine | target | K | draft vocab | compiled: head, target | micro-batch tokens | steps "
+        "| offline tok/s | online tok/s | online / offline | online, overlapped tok/s | overlapped / offline "
+        "| target forward tok/s: eager, compiled | disk B/token: shards, tokens |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     steps = f"{opts['steps']} x {opts['repeats']}" if opts["repeats"] > 1 else str(opts["steps"])
     row = (
         f"| {date.today()} | {machine()} | {cfg.model.name} ({cfg.model.source}, {target.dtype}) | {tr.ttt_steps} "
-        f"| {cfg.draft.vocab_size:,} | {'yes' if tr.compile else 'no'} | {opts['batch_tokens']:,} | {steps} "
-        f"| {offline_tps:,.0f} | {online_tps:,.0f} | {online_tps / offline_tps:.2f}x | {overlap_tps:,.0f} "
-        f"| {overlap_tps / offline_tps:.2f}x | {forward_tps:,.0f} "
+        f"| {cfg.draft.vocab_size:,} | {yes(tr.compile)}, {yes(tr.online_compile)} | {opts['batch_tokens']:,} "
+        f"| {steps} | {offline_tps:,.0f} | {online_tps:,.0f} | {online_tps / offline_tps:.2f}x "
+        f"| {overlap_tps:,.0f} | {overlap_tps / offline_tps:.2f}x "
+        f"| {', '.join(f'{forward_tps[k]:,.0f}' if k in forward_tps else '—' for k in ('eager', 'compiled'))} "
         f"| {per_token['shards']:,.0f}, {per_token['tokens']:,.1f} |"
     )
     print(header)

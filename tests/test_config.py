@@ -180,6 +180,10 @@ def test_choices_are_plain_strings_wherever_the_config_is_recorded(compose) -> N
             ["trainer.features=online", "trainer.online_overlap=true", "trainer.loader_threads=0"],
             "trainer.loader_threads >= 1 (got 0)",
         ),
+        (
+            ["trainer.online_compile=true"],
+            "online_compile=true compiles the target that online training runs",
+        ),
         (["hardware.devices=0"], "hardware.devices must be >= 1"),
         (["hardware.strategy=fsdp"], "hardware.strategy=fsdp needs GPUs"),
         (["hardware=h200_x2", "hardware.strategy=fsdp", "trainer.embed_dtype=bfloat16"], "embed_dtype"),

@@ -220,23 +220,50 @@ def test_online_features_and_losses_equal_the_extracted_ones(
         assert torch.equal(got.step_weight_sums, want.step_weight_sums)
 
 
+def test_compiled_target_layers_give_the_eager_features(
+    stores: dict[str, Path], model_cache: Path, tmp_path: Path
+) -> None:
+    """trainer.online_compile=true: the decoder layers run through torch.compile, compiled once for all layers
+    and every row's document count; the features equal the eager target's (float32 on the CPU)."""
+    overrides = train_overrides(stores["fp32"], tmp_path, "trainer.features=online")
+    eager_cfg = composed(model_cache, *overrides)
+    compiled_cfg = composed(model_cache, *overrides, "trainer.online_compile=true")
+    pairs, eager = paired_batches(eager_cfg, stores, "fp32", batches=4)
+    _, compiled = paired_batches(compiled_cfg, stores, "fp32", batches=4)
+    assert compiled.compiled and not eager.compiled
+    rows = [token_batch for _, token_batch in pairs]
+    assert len({int(row["cu_seqlens"].numel()) for row in rows}) > 1  # rows with different document counts
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for row in rows:
+        want, got = eager.features(row), compiled.features(row)
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+    compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    # Each layer's forward breaks at the per-document attention (CPU): four graphs (before and after it, in the
+    # layer and in its attention), shared by all six layers and every row's document count, not compiled again.
+    assert 0 < compiled_graphs <= 4, compiled_graphs
+
+
 def loss_curve(metrics_csv: Path) -> dict[int, float]:
     rows = csv.DictReader(open(metrics_csv))
     return {int(r["step"]): float(r["train/loss_global"]) for r in rows if r.get("train/loss_global")}
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(("overlap", "compiled"), [(False, False), (True, False), (False, True)])
 def test_online_training_equals_training_from_shards(
-    compose, stores: dict[str, Path], tmp_path: Path, monkeypatch, overlap: bool
+    compose, stores: dict[str, Path], tmp_path: Path, monkeypatch, overlap: bool, compiled: bool
 ) -> None:
     """trainer.online_overlap=true: the loader runs the target (on the GPU, on its copy stream) and the step
-    gets the features with the batch; the same losses either way."""
+    gets the features with the batch; trainer.online_compile=true: the target's layers run compiled. The same
+    losses every way."""
     offline = run_training(compose(*train_overrides(stores["fp32"], tmp_path)), tmp_path / "offline")
-    arrived_with_features = []
+    arrived_with_features, target_compiled = [], []
     run = DraftHeadModule._run
 
     def spy(self, batch, *, noise):
         arrived_with_features.append("aux_hidden_states" in batch)
+        target_compiled.append(self._online_target.compiled)
         return run(self, batch, noise=noise)
 
     monkeypatch.setattr(DraftHeadModule, "_run", spy)
@@ -244,10 +271,12 @@ def test_online_training_equals_training_from_shards(
         compose(
             *train_overrides(stores["tokens"], tmp_path, "trainer.features=online"),
             f"trainer.online_overlap={str(overlap).lower()}",
+            f"trainer.online_compile={str(compiled).lower()}",
         ),
         tmp_path / "online",
     )
     assert arrived_with_features and set(arrived_with_features) == {overlap}
+    assert set(target_compiled) == {compiled}
     assert (
         online.steps == offline.steps == 6 and online.train_tokens_per_epoch == offline.train_tokens_per_epoch
     )

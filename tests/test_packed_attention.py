@@ -44,8 +44,20 @@ def target() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("path", ["per_document", "varlen", "varlen_2_10"])
-def test_a_packed_row_gives_each_document_its_own_forward(target, monkeypatch, path: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "compiled"),
+    [
+        ("per_document", False),
+        ("varlen", False),
+        ("varlen_2_10", False),
+        ("per_document", True),
+        ("varlen", True),
+    ],
+)
+def test_a_packed_row_gives_each_document_its_own_forward(
+    target, monkeypatch, path: str, compiled: bool
+) -> None:
+    """compiled: the decoder layers' forwards through torch.compile, as trainer.online_compile runs them."""
     lengths = [5, 1, 9, 3]
     ids = torch.randint(0, 97, (sum(lengths),), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -59,7 +71,11 @@ def test_a_packed_row_gives_each_document_its_own_forward(target, monkeypatch, p
     fakes = {"varlen": reference_varlen, "varlen_2_10": reference_varlen_2_10}
     if path in fakes:
         monkeypatch.setattr(packed, "varlen_attn", fakes[path])
-    kwargs = packed_forward_kwargs(cu, sum(lengths), varlen=path in fakes)
+    if compiled:
+        torch._dynamo.reset()  # compiled afresh: the graphs must not come from another case's layers
+        for layer in target.model.layers:
+            monkeypatch.setattr(layer, "forward", torch.compile(layer.forward))
+    kwargs = packed_forward_kwargs(cu, sum(lengths), varlen=path in fakes, compiled=compiled)
     with torch.no_grad():
         together = target(
             input_ids=ids[None], position_ids=positions[None], output_hidden_states=True, **kwargs

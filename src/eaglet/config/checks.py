@@ -153,6 +153,11 @@ def check_trainer(tr: TrainerConfig) -> None:
             f"trainer.features=online (got {tr.features.value}), trainer.num_workers=0 (got {tr.num_workers}) and "
             f"trainer.loader_threads >= 1 (got {tr.loader_threads})"
         )
+    if tr.online_compile and tr.features != TrainFeatures.online:
+        raise ConfigError(
+            "trainer.online_compile=true compiles the target that online training runs: it needs "
+            f"trainer.features=online (got {tr.features.value}); trainer.compile=true compiles the head"
+        )
 
 
 def check_hardware(hw: HardwareConfig, tr: TrainerConfig) -> None:

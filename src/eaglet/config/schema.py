@@ -362,6 +362,9 @@ class TrainerConfig:
     # one micro-batch ahead, so that on a GPU it overlaps the head's step instead of following it. Same
     # features, same losses (tested); off = inside the step.
     online_overlap: bool = False
+    # trainer.features=online: torch.compile the target's decoder layers (fused norms, RoPE and MLP between the
+    # matmuls); the same features within rounding (tested), a compilation at the start.
+    online_compile: bool = False
     lm_head_trainable: bool = True
     mask_outside_draft_vocab: bool = False
     feature_noise_std: float = 0.0

@@ -6,7 +6,8 @@ boundaries reach every attention layer as forward keyword arguments (`packed_for
 hands them to the attention function registered here under PACKED_ATTENTION. On CUDA, in bf16 or fp16, each
 layer is one varlen flash-attention call (torch.nn.attention.varlen) that reads the boundaries on the device:
 no host sync. Elsewhere (CPU, float32) SDPA runs document by document, from boundaries read on the host once
-per forward.
+per forward, or once per layer when the layers run through torch.compile (`compiled`: a host list would be a
+constant of the compiled graphs, compiled again for every row).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ PACKED_ATTENTION = "eaglet_packed"
 _CU_SEQLENS = "eaglet_cu_seqlens"  # int32 [D+1] on the row's device: document d is tokens [cu[d], cu[d+1])
 _MAX_SEQLEN = "eaglet_max_seqlen"  # an upper bound of the documents' lengths (the row's length will do)
 _BOUNDS = "eaglet_document_bounds"  # the same boundaries as a host list: the per-document path
+_BOUNDS_TENSOR = "eaglet_bounds_tensor"  # the same as a tensor, read per layer: compiled layers
 
 
 def varlen_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -50,15 +52,24 @@ def use_packed_attention(model: nn.Module) -> None:
     model.set_attn_implementation(PACKED_ATTENTION)
 
 
-def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int, *, varlen: bool) -> dict[str, Any]:
+def packed_forward_kwargs(
+    cu_seqlens: torch.Tensor, max_seqlen: int, *, varlen: bool, compiled: bool = False
+) -> dict[str, Any]:
     """The forward keyword arguments that carry a packed row's boundaries to every attention layer.
 
     varlen: the layers run varlen flash attention (see `varlen_applies`), which reads `cu_seqlens` on the
-    device; otherwise the boundaries are read on the host here, once for all layers.
+    device; otherwise the boundaries are read on the host here, once for all layers, or, when the layers run
+    through torch.compile (`compiled`), in each layer, outside its graphs. Compiled, the number of documents
+    is a dynamic size from the start: rows differ in it, and each new count would compile the layers again.
     """
+    if not (varlen or compiled):
+        return {_BOUNDS: cu_seqlens.tolist()}
+    cu = cu_seqlens.to(torch.int32)
+    if compiled:
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
     if varlen:
-        return {_CU_SEQLENS: cu_seqlens.to(torch.int32), _MAX_SEQLEN: int(max_seqlen)}
-    return {_BOUNDS: cu_seqlens.tolist()}
+        return {_CU_SEQLENS: cu, _MAX_SEQLEN: int(max_seqlen)}
+    return {_BOUNDS_TENSOR: cu}
 
 
 def packed_attention(
@@ -80,21 +91,10 @@ def packed_attention(
             f"{type(module).__name__} uses sliding-window attention, which online training does not run; "
             "extract hidden states and train from shards (trainer.features=shards)"
         )
-    gqa = query.shape[1] != key.shape[1]
     if _BOUNDS in kwargs:
-        bounds = kwargs[_BOUNDS]
-        documents = [
-            F.scaled_dot_product_attention(
-                query[:, :, a:b],
-                key[:, :, a:b],
-                value[:, :, a:b],
-                is_causal=True,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-        ]
-        return torch.cat(documents, dim=2).transpose(1, 2), None
+        return _per_document(query, key, value, kwargs[_BOUNDS], scaling), None
+    if _BOUNDS_TENSOR in kwargs:
+        return _per_document_read_here(query, key, value, kwargs[_BOUNDS_TENSOR], scaling), None
     if _CU_SEQLENS not in kwargs:
         raise RuntimeError(
             f"attention implementation {PACKED_ATTENTION!r} needs a packed row's boundaries: pass "
@@ -107,9 +107,38 @@ def packed_attention(
     return out.unsqueeze(0), None
 
 
+def _per_document(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scale: float | None
+) -> torch.Tensor:
+    """SDPA over each document [a, b) of `bounds` on its own, causal: [1, H, T, D] in, [1, T, Hq, Dv] out."""
+    gqa = query.shape[1] != key.shape[1]
+    documents = [
+        F.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat(documents, dim=2).transpose(1, 2)
+
+
+@torch.compiler.disable
+def _per_document_read_here(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """`_per_document` with the boundaries read from a tensor, outside any compiled graph (a graph break)."""
+    return _per_document(query, key, value, cu.tolist(), scale)
+
+
+# Compiled layers call it as it is when their graph is traced and keep the result as a constant, rather than
+# tracing through inspect.
+@torch.compiler.assume_constant_result
+def _parameters(function: Any) -> tuple[str, ...]:
+    return _signature(function)
+
+
 @functools.cache
-def _parameters(function: Any) -> frozenset[str]:
-    return frozenset(inspect.signature(function).parameters)  # once, not in every layer of every step
+def _signature(function: Any) -> tuple[str, ...]:
+    return tuple(inspect.signature(function).parameters)  # once, not in every layer of every step
 
 
 def _causal_varlen(

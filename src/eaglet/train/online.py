@@ -6,6 +6,10 @@ as it is packed, one row of documents back to back with no padding waste and no 
 on CUDA: eaglet.target_model.packed_attention), and its aux and last hidden states, cast to extract.dtype as
 the folder's extraction stores them, join the batch that the same TTT and KD code trains on. The target is a plain attribute of
 the LightningModule, not a submodule: it is never in a checkpoint, an optimizer or DDP's buckets.
+
+With trainer.online_compile each decoder layer's forward runs through torch.compile: a small target's forward
+is mostly element-wise work (norms, RoPE, SiLU, residual adds) between small matmuls, which the compiled graphs
+fuse. The capture hooks stay outside the graphs (they wrap the layers' calls, not their forwards).
 """
 
 from __future__ import annotations
@@ -76,13 +80,32 @@ class OnlineTarget:
     """The frozen target and what it computes for a packed micro-batch (`features`)."""
 
     def __init__(
-        self, loaded: LoadedTarget, aux_layer_ids: Sequence[int], head_dim: int, feature_dtype: torch.dtype
+        self,
+        loaded: LoadedTarget,
+        aux_layer_ids: Sequence[int],
+        head_dim: int,
+        feature_dtype: torch.dtype,
+        compile: bool = False,
     ):
         use_packed_attention(loaded.model)
         self.loaded = loaded
         self.aux_layer_ids = list(aux_layer_ids)
         self.head_dim = head_dim
         self.feature_dtype = feature_dtype
+        self.compiled = False
+        if compile:
+            self.compile_layers()
+
+    def compile_layers(self) -> None:
+        """Run each decoder layer's forward through torch.compile from now on (trainer.online_compile). The
+        layers share their code, so they share the compiled graphs: one compilation, then one more when the
+        document count first varies (marked dynamic in `packed_forward_kwargs`)."""
+        if self.compiled:
+            return
+        for layer in self.loaded.parts.layers:
+            # The instance's forward, not the module: the capture hooks around the call stay eager.
+            layer.forward = torch.compile(layer.forward)
+        self.compiled = True
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +128,9 @@ class OnlineTarget:
         last_hidden_state [T, H] added, in the stored dtype, as `collate_packed` lays out a shard's."""
         input_ids = batch["input_ids"]
         varlen = varlen_applies(input_ids.device, self.loaded.dtype, self.head_dim)
-        boundaries = packed_forward_kwargs(batch["cu_seqlens"], input_ids.shape[0], varlen=varlen)
+        boundaries = packed_forward_kwargs(
+            batch["cu_seqlens"], input_ids.shape[0], varlen=varlen, compiled=self.compiled
+        )
         # The target runs as extraction runs it, in its own dtype: never under the head's autocast.
         with torch.autocast(input_ids.device.type, enabled=False):
             captured = capture_hidden_states(
@@ -207,4 +232,5 @@ def load_online_target(
         head_dim=cfg.model.head_dim,
         # As the folder's extraction stored (or would have stored) them: extract.dtype when it ran.
         feature_dtype=STORED_DTYPES[manifest.dtype],
+        compile=cfg.trainer.online_compile,
     )
