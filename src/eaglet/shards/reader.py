@@ -122,6 +122,30 @@ def _load_layout(directory: Path, manifest: Manifest, info: ShardInfo, verify: b
     return _ShardLayout(path, data_start, tensors, offsets, sample_ids)
 
 
+class SequenceIndex:
+    """Where the sequences of a list of shards lie: sequence i (counted across the shards, in order) is tokens
+    [begin, end) of one shard. Built from each shard's seq_offsets [N+1] and sample_ids [N]."""
+
+    def __init__(self, directory: Path, offsets: Sequence[np.ndarray], sample_ids: Sequence[np.ndarray]):
+        self._offsets = list(offsets)
+        counts = [len(ids) for ids in sample_ids]
+        self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        self.num_sequences = int(self._shard_starts[-1])
+        self.lengths = np.concatenate([np.diff(o) for o in self._offsets] or [np.zeros(0, np.int64)])
+        self.sample_ids = np.concatenate(list(sample_ids) or [np.zeros(0, np.int64)])
+        if len(np.unique(self.sample_ids)) != self.num_sequences:
+            raise DataError(f"{directory}: a sample id appears in more than one sequence; {_RERUN}")
+
+    def locate(self, i: int) -> tuple[int, int, int]:
+        """(shard, begin, end): the position of sequence i in the list of shards and its tokens there."""
+        if not 0 <= i < self.num_sequences:
+            raise IndexError(f"sequence index {i} out of range [0, {self.num_sequences})")
+        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
+        j = i - int(self._shard_starts[shard])
+        offsets = self._offsets[shard]
+        return shard, int(offsets[j]), int(offsets[j + 1])
+
+
 class ShardReader:
     """Random access to the sequences of a complete extraction, in global order; or, given `shards`, to those of
     the listed shards (in that order) of a folder still being written (`manifest`: a snapshot of its manifest
@@ -159,15 +183,12 @@ class ShardReader:
         # The shards read, in order.
         self.shards = list(recorded) if shards is None else [recorded[index] for index in shards]
         self._layouts = [_load_layout(self.directory, self.manifest, s, verify) for s in self.shards]
-        counts = [len(layout.sample_ids) for layout in self._layouts]
-        self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-        self.num_sequences = int(self._shard_starts[-1])
-        self.lengths = np.concatenate(
-            [np.diff(x.seq_offsets) for x in self._layouts] or [np.zeros(0, np.int64)]
+        self.index = SequenceIndex(
+            self.directory, [x.seq_offsets for x in self._layouts], [x.sample_ids for x in self._layouts]
         )
-        self.sample_ids = np.concatenate([x.sample_ids for x in self._layouts] or [np.zeros(0, np.int64)])
-        if len(np.unique(self.sample_ids)) != self.num_sequences:
-            raise DataError(f"{self.directory}: a sample id appears in more than one sequence; {_RERUN}")
+        self.num_sequences, self.lengths, self.sample_ids = (
+            self.index.num_sequences, self.index.lengths, self.index.sample_ids,
+        )  # fmt: skip
         self._maps: list[dict[str, torch.Tensor] | None] = [None] * len(self._layouts)
 
     def __len__(self) -> int:
@@ -197,13 +218,6 @@ class ShardReader:
         return tensors
 
     def sequence(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < self.num_sequences:
-            raise IndexError(f"sequence index {i} out of range [0, {self.num_sequences})")
-        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
-        tensors = self._maps[shard]
-        if tensors is None:
-            tensors = self._open(shard)
-        offsets = self._layouts[shard].seq_offsets
-        j = i - int(self._shard_starts[shard])
-        begin, end = int(offsets[j]), int(offsets[j + 1])
+        shard, begin, end = self.index.locate(i)
+        tensors = self._maps[shard] or self._open(shard)
         return {name: tensor[begin:end] for name, tensor in tensors.items()}

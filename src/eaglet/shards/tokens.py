@@ -21,7 +21,7 @@ from eaglet.errors import DataError
 from eaglet.fsutil import atomic_output, sha256_file
 from eaglet.shards.format import ShardInfo, shard_name
 from eaglet.shards.manifest import Manifest, read_manifest
-from eaglet.shards.reader import _NUMPY, _read_header, _read_small, _TensorEntry
+from eaglet.shards.reader import _NUMPY, SequenceIndex, _read_header, _read_small, _TensorEntry
 
 TOKEN_FEATURES = "tokens"
 # The bytes of one token in a token store: int32 id + uint8 loss mask.
@@ -132,14 +132,10 @@ class TokenReader:
         for (path, _, _), info, o in zip(self._layouts, self.manifest.shards, offsets, strict=True):
             if o[0] != 0 or o[-1] != info.num_tokens or np.any(np.diff(o) <= 0):
                 raise DataError(f"{path}: seq_offsets are not strictly increasing; {_RERUN}")
-        self._offsets = offsets
-        counts = [len(x) for x in ids]
-        self._shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-        self.num_sequences = int(self._shard_starts[-1])
-        self.lengths = np.concatenate([np.diff(o) for o in offsets] or [np.zeros(0, np.int64)])
-        self.sample_ids = np.concatenate(ids or [np.zeros(0, np.int64)])
-        if len(np.unique(self.sample_ids)) != self.num_sequences:
-            raise DataError(f"{self.directory}: a sample id appears in more than one sequence; {_RERUN}")
+        self.index = SequenceIndex(self.directory, offsets, ids)
+        self.num_sequences, self.lengths, self.sample_ids = (
+            self.index.num_sequences, self.index.lengths, self.index.sample_ids,
+        )  # fmt: skip
         self._maps: list[dict[str, torch.Tensor] | None] = [None] * len(self._layouts)
 
     def __len__(self) -> int:
@@ -162,10 +158,6 @@ class TokenReader:
         return opened
 
     def sequence(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < self.num_sequences:
-            raise IndexError(f"sequence index {i} out of range [0, {self.num_sequences})")
-        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
+        shard, begin, end = self.index.locate(i)
         tensors = self._maps[shard] or self._open(shard)
-        j = i - int(self._shard_starts[shard])
-        begin, end = int(self._offsets[shard][j]), int(self._offsets[shard][j + 1])
         return {name: tensor[begin:end] for name, tensor in tensors.items()}
