@@ -376,6 +376,10 @@ class TrainerConfig:
     compile: bool = False
     # train/acc_k against the teacher's full-vocab argmax (an extra [T, V] matmul); validation always uses it.
     full_vocab_train_accuracy: bool = False
+    # A trained head's serving folder (a run's draft/ or an export) to start from, rather than from the target's
+    # rows: more steps or more data for a head trained before. Same draft settings, target and aux layers; its
+    # draft vocab comes with it; a fresh optimizer and schedule. A run resuming from a checkpoint ignores it.
+    init_from: str | None = None
     # dtype of the frozen embedding table ("bfloat16" halves it); null = the parameters' dtype (FSDP needs that).
     embed_dtype: FloatDtype | None = None
     # shards: read the target's features from extracted shards; online: run the frozen target (a replica per

@@ -34,6 +34,7 @@ from eaglet.train.module import DraftHeadModule
 from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
 from eaglet.train.strategy import build_strategy
 from eaglet.train.tracking import finish_wandb
+from eaglet.train.warm_start import check_init_from, start_from_head
 from eaglet.train.window import WindowDataModule
 from eaglet.train.window_checkpoint import WindowCheckpoint
 from eaglet.train.window_setup import WindowPlan, open_window
@@ -185,6 +186,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     check_extensions(cfg)
     check_machine(cfg.hardware)
     tr = cfg.trainer
+    check_init_from(tr.init_from)
     online = tr.features == TrainFeatures.online
     window: WindowPlan | None = None
     if online:
@@ -257,6 +259,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         module.attach_target(target)
         if tr.online_overlap:
             datamodule.batch_transform = target.features
+    if tr.init_from and ckpt_path is None:  # a resumed run's checkpoint holds the head as it was
+        start_from_head(module.head, tr.init_from, module.hparams.draft, aux_layer_ids)
 
     failed = True
     try:
