@@ -43,6 +43,10 @@ holds that start): the main head trains for as many steps as the time left then 
 `eval_reserve_s` for its last validation and its evaluation), at most `main_epochs` epochs, with its learning-rate
 schedule spanning those steps and trainer.max_time_s as the safety net; rows not started in time are left.
 
+`main_init_from=<draft folder>`: the main head starts from a head trained before (an earlier session's main
+draft/, brought back) rather than from the target's rows (trainer.init_from): sessions of 30 minutes add their
+steps, each on its own freshly written data; the report's overrides column says so.
+
 `deadline_s=S`: no command starts with less than `min_start_s` seconds left of the S this invocation may run, and
 one still running at S is stopped (every stage resumes: extraction and answers where they were, training from its
 last.ckpt); the invocation then writes the report, says what is left and exits 0. Reissuing the same command
@@ -79,14 +83,16 @@ from eaglet.shards.manifest import MANIFEST_FILE
 OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
         "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "4", "gpu": "0",
-        "extra": "", "budget_s": "0", "train_tokens_per_s": "105000", "eval_reserve_s": "300"}  # fmt: skip
+        "extra": "", "budget_s": "0", "train_tokens_per_s": "105000", "eval_reserve_s": "300",
+        "main_init_from": ""}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
 # `train_tokens_per_s`: online training's rate on one H200 at the experiment's settings over the whole stage,
 # compile, validations and checkpoints included (105K measured in the recipe, experiments/BENCHMARKS.md; 136K
 # steady, which left a planned schedule 79% done at trainer.max_time_s); `eval_reserve_s`: the head's last
 # validation, export and evaluation; `eval_workers`: evaluation processes side by side on the GPU (eval.workers;
-# one when eval_device=cpu).
+# one when eval_device=cpu). `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session)
+# that the main head starts from (trainer.init_from): its steps add to that head's; "" = from the target.
 BUDGET_FILE = "budget.json"
 
 # The shared sets of people's first chat prompts (the rest are maths and code; with ShareGPT's many later turns,
@@ -235,7 +241,13 @@ class Scale:
         """The row's data, its own overrides and its length (they win over `extra`)."""
         row = ROWS[name]
         steps = [] if row.tokens is None else [f"trainer.max_steps={self.steps(row.tokens)}"]
-        return [*self.store_overrides(row.store), *row.overrides, *steps]
+        return [*self.store_overrides(row.store), *self.own_overrides(name), *steps]
+
+    def own_overrides(self, name: str) -> list[str]:
+        """What the row changes against the experiment's settings; the main head's start when it continues one."""
+        init = self.opts["main_init_from"]
+        start = [f"trainer.init_from={Path(init).resolve()}"] if name == "main" and init else []
+        return [*ROWS[name].overrides, *start]
 
     def common(self, overrides: list[str]) -> list[str]:
         return common_overrides(overrides, self.opts)
@@ -344,7 +356,7 @@ def collect(scale: Scale, rows: list[str]) -> dict:
     record: dict[str, dict] = {}
     for name in (r for r in rows if r in ROWS):
         row, run = ROWS[name], RunDir(scale.run_dir(name))
-        entry = {"question": row.question, "store": row.store, "overrides": list(row.overrides),
+        entry = {"question": row.question, "store": row.store, "overrides": scale.own_overrides(name),
                  "against": row.against}  # fmt: skip
         if run.report_file.is_file():
             report = json.loads(run.report_file.read_text())

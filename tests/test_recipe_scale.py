@@ -160,6 +160,13 @@ def test_rows_see_their_tokens_once(recipe) -> None:
     assert [t.name for t in scale.tasks(["main", "ttt7"])] == [
         "data:main", "train:main", "eval:main", "train:ttt7", "eval:ttt7"
     ]  # fmt: skip
+    assert not [o for o in scale.row_overrides("main") if o.startswith("trainer.init_from")]
+
+
+def test_the_main_head_can_continue_an_earlier_one(recipe, tmp_path: Path) -> None:
+    scale = recipe.Scale({**recipe.OPTS, "main_init_from": str(tmp_path / "draft")})
+    assert f"trainer.init_from={tmp_path / 'draft'}" in scale.row_overrides("main")
+    assert not [o for o in scale.row_overrides("scale_mid") if o.startswith("trainer.init_from")]
 
 
 def test_the_budget_sets_the_heads_length_once_and_bounds_every_invocation(recipe, tmp_path: Path) -> None:
