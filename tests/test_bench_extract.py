@@ -14,17 +14,33 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_extract  # noqa: E402
 
 
+@pytest.mark.parametrize("warmup_batches", [0, 2])
 def test_tiny_run_records_one_row(
-    tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    tmp_path: Path,
+    model_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    warmup_batches: int,
 ) -> None:
     bench_file = tmp_path / "BENCH.md"
     monkeypatch.setattr(bench_extract, "BENCH_FILE", bench_file)
     out = tmp_path / "shards"
+    extracted, real_write_shards = [], bench_extract.write_shards
+
+    def counted(target, samples, *args, **kwargs):
+        extracted.append(sum(s.num_tokens for s in samples))
+        return real_write_shards(target, samples, *args, **kwargs)
+
+    monkeypatch.setattr(bench_extract, "write_shards", counted)
     bench_extract.main(
         ["model=tiny_llama", f"paths.cache_dir={model_cache}", "bench.tokens=600", "bench.batch_tokens=256",
          "bench.shard_tokens=300", "bench.min_len=20", "bench.max_len=200", "bench.repeats=1",
-         f"bench.disk_bytes={1 << 20}", f"bench.out_dir={out}"]
+         f"bench.disk_bytes={1 << 20}", f"bench.out_dir={out}", f"bench.warmup_batches={warmup_batches}"]
     )  # fmt: skip
+    # With a warm-up, one untimed extraction of the first batches' samples comes before the timed one of all.
+    assert len(extracted) == 1 + bool(warmup_batches) and extracted[-1] >= 600
+    if warmup_batches:
+        assert 0 < extracted[0] <= warmup_batches * 256 < extracted[-1]
     header, rule, row = [line for line in bench_file.read_text().splitlines() if line.startswith("|")]
     cells = dict(zip(header.strip("|").split(" | "), row.strip("|").split(" | "), strict=True))
     cells = {name.strip(): value.strip() for name, value in cells.items()}
@@ -40,6 +56,7 @@ def test_tiny_run_records_one_row(
     assert out.is_dir() and not any(
         out.iterdir()
     )  # the shards and the disk probe are removed, the folder kept
+    assert cells["extraction warm-up batches"] == str(warmup_batches)
     assert row in capsys.readouterr().out
 
 
