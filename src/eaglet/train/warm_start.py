@@ -2,8 +2,8 @@
 
 More steps than one session allows, or more data than one run saw, come from training again from the head the
 last run exported (its draft/ folder, or any EAGLE-format export). The head's vocab mapping comes with it: its
-lm_head rows are those of its own draft ids, whatever this run's token counts would pick. The optimizer and the
-learning-rate schedule start afresh. A run that resumes from a checkpoint never reads the folder: the checkpoint
+lm_head rows are those of its own draft ids, whatever this run's token counts would pick. The frozen embedding
+stays the target's; the optimizer and the learning-rate schedule start afresh. A run that resumes from a checkpoint never reads the folder: the checkpoint
 holds the head as it was when it stopped.
 """
 
@@ -56,4 +56,5 @@ def start_from_head(
     state = trained.state_dict()
     with torch.no_grad():
         for name, tensor in head.state_dict().items():
-            tensor.copy_(state[name].to(tensor.dtype))  # in place: the embedding keeps its dtype and sharing
+            if name != "embed_tokens.weight":  # the frozen embedding stays this run's target's own
+                tensor.copy_(state[name].to(tensor.dtype))
