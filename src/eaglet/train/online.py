@@ -98,8 +98,8 @@ class OnlineTarget:
 
     def compile_layers(self) -> None:
         """Run each decoder layer's forward through torch.compile from now on (trainer.online_compile). The
-        layers share their code, so they share the compiled graphs: one compilation, then one more when the
-        document count first varies (marked dynamic in `packed_forward_kwargs`)."""
+        layers share their code, so they share the compiled graphs: one compilation for every layer and row (the
+        document count is a dynamic size from the first row: `packed_forward_kwargs`)."""
         if self.compiled:
             return
         for layer in self.loaded.parts.layers:
