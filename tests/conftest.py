@@ -54,15 +54,18 @@ def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> FakeWandb:
     return fake
 
 
+def compose_config(cache: Path, *overrides: str) -> DictConfig:
+    """The composed and checked config with the model cache at `cache`, exactly as the entry points see it: for
+    fixtures wider than a test, which cannot take `compose`."""
+    with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
+        cfg = hydra.compose("config", overrides=[f"paths.cache_dir={cache}", *overrides])
+    GlobalHydra.instance().clear()
+    eaglet.config.check_config(cfg)
+    return cfg
+
+
 @pytest.fixture
 def compose(model_cache: Path) -> Iterator[Callable[..., DictConfig]]:
     """compose(*overrides) -> the composed and checked config, exactly as the entry points see it."""
-
-    def _compose(*overrides: str) -> DictConfig:
-        with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-            cfg = hydra.compose("config", overrides=[f"paths.cache_dir={model_cache}", *overrides])
-        eaglet.config.check_config(cfg)
-        return cfg
-
-    yield _compose
+    yield lambda *overrides: compose_config(model_cache, *overrides)
     GlobalHydra.instance().clear()

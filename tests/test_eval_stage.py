@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 from test_train import shards, train_overrides  # noqa: F401  (module fixture: shards by the real extraction)
 
 from eaglet.errors import ConfigError, DataError, EagletError
@@ -17,18 +18,8 @@ from eaglet.train.run import run_training
 
 @pytest.fixture(scope="module")
 def run_dir(shards: Path, tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:  # noqa: F811
-    import hydra
-    from hydra.core.global_hydra import GlobalHydra
-
-    import eaglet.config
-
     out = tmp_path_factory.mktemp("outputs")
-    with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-        cfg = hydra.compose(
-            "config", overrides=[f"paths.cache_dir={model_cache}", *train_overrides(shards, out)]
-        )
-    GlobalHydra.instance().clear()
-    run_training(cfg, out / "train" / "run")
+    run_training(compose_config(model_cache, *train_overrides(shards, out)), out / "train" / "run")
     return out / "train" / "run"
 
 

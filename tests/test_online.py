@@ -11,15 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import numpy as np
 import pytest
 import torch
-from hydra.core.global_hydra import GlobalHydra
+from conftest import compose_config
 from safetensors.torch import load_file
 from test_train import REPRODUCIBLE_CPU
 
-import eaglet.config
 from eaglet.config import REPO_ROOT
 from eaglet.errors import ConfigError, DataError
 from eaglet.extract.stage import run_extraction
@@ -66,14 +64,6 @@ def train_overrides(out: Path, runs: Path, *extra: str) -> list[str]:
     ]
 
 
-def composed(cache: Path, *overrides: str):
-    with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-        cfg = hydra.compose("config", overrides=[f"paths.cache_dir={cache}", *overrides])
-    GlobalHydra.instance().clear()
-    eaglet.config.check_config(cfg)
-    return cfg
-
-
 TOKENS = ["extract.features=tokens", "extract.dtype=float32"]
 
 
@@ -89,7 +79,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict[
         "tokens": (root / "tokens", TOKENS),
     }
     for out, extra in folders.values():
-        run_extraction(composed(model_cache, *data_overrides(out, *extra)))
+        run_extraction(compose_config(model_cache, *data_overrides(out, *extra)))
     return {name: out for name, (out, _) in folders.items()}
 
 
@@ -129,7 +119,7 @@ def test_token_extraction_resumes_and_rewrites_a_damaged_shard(
     stores: dict[str, Path], model_cache: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "tokens"
-    cfg = composed(model_cache, *data_overrides(out, *TOKENS))
+    cfg = compose_config(model_cache, *data_overrides(out, *TOKENS))
     run_extraction(cfg)
     before = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
     assert before == {p.name: p.read_bytes() for p in sorted(stores["tokens"].iterdir())}
@@ -192,7 +182,9 @@ def head_module(cfg, shards: Path, head_weights: dict[str, torch.Tensor]):
 def test_online_features_and_losses_equal_the_extracted_ones(
     stores: dict[str, Path], model_cache: Path, tmp_path: Path, precision: str, shard_folder: str, tolerance
 ) -> None:
-    cfg = composed(model_cache, *train_overrides(stores[shard_folder], tmp_path, f"model.dtype={precision}"))
+    cfg = compose_config(
+        model_cache, *train_overrides(stores[shard_folder], tmp_path, f"model.dtype={precision}")
+    )
     pairs, target = paired_batches(cfg, stores, shard_folder, batches=4)
     assert target.loaded.dtype == getattr(torch, precision) and not target.loaded.model.training
     head = load_file(stores[shard_folder] / TARGET_HEAD_FILE)
@@ -226,8 +218,8 @@ def test_compiled_target_layers_give_the_eager_features(
     """trainer.online_compile=true: the decoder layers run through torch.compile, compiled once for all layers
     and every row's document count; the features equal the eager target's (float32 on the CPU)."""
     overrides = train_overrides(stores["fp32"], tmp_path, "trainer.features=online")
-    eager_cfg = composed(model_cache, *overrides)
-    compiled_cfg = composed(model_cache, *overrides, "trainer.online_compile=true")
+    eager_cfg = compose_config(model_cache, *overrides)
+    compiled_cfg = compose_config(model_cache, *overrides, "trainer.online_compile=true")
     pairs, eager = paired_batches(eager_cfg, stores, "fp32", batches=4)
     _, compiled = paired_batches(compiled_cfg, stores, "fp32", batches=4)
     assert compiled.compiled and not eager.compiled

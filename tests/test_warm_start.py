@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_config
 from safetensors.torch import load_file, save_file
 from test_train import shards, train_overrides  # noqa: F401 (the module-scoped shards fixture)
 
@@ -21,19 +22,8 @@ NO_STEP = ("trainer.lr=1e-30", "trainer.max_steps=1", "trainer.val_every_n_steps
 @pytest.fixture(scope="module")
 def trained(shards: Path, tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:  # noqa: F811
     """The draft folder of a six-step run."""
-    import hydra
-    from hydra.core.global_hydra import GlobalHydra
-
-    import eaglet.config
-
     out = tmp_path_factory.mktemp("trained")
-    with hydra.initialize_config_dir(config_dir=str(eaglet.config.CONF_DIR), version_base="1.3"):
-        cfg = hydra.compose(
-            "config", overrides=[f"paths.cache_dir={model_cache}", *train_overrides(shards, out)]
-        )
-    GlobalHydra.instance().clear()
-    eaglet.config.check_config(cfg)
-    run_training(cfg, out / "run")
+    run_training(compose_config(model_cache, *train_overrides(shards, out)), out / "run")
     return out / "run" / "draft"
 
 
