@@ -85,10 +85,10 @@ def files_bytes(folder: Path) -> int:
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
     """A window folder extracted to the end under a bound that holds it all (nobody retires anything)."""
-    from test_online import composed
+    from conftest import compose_config
 
     out = tmp_path_factory.mktemp("window") / "whole"
-    run_extraction(composed(model_cache, *data_overrides(out, "extract.max_disk_gb=1")))
+    run_extraction(compose_config(model_cache, *data_overrides(out, "extract.max_disk_gb=1")))
     return out
 
 
@@ -203,10 +203,10 @@ def test_extraction_stays_within_the_bound_while_a_consumer_frees_room(
 ) -> None:
     """Extraction in a thread; here a stand-in for training, slower than extraction, retires the oldest recorded
     training shard every 0.2 s while the folder's bytes and its JSON records are read every few ms."""
-    from test_online import composed
+    from conftest import compose_config
 
     out = tmp_path / "out"
-    cfg = composed(model_cache, *data_overrides(out, "extract.window_timeout_s=30"))
+    cfg = compose_config(model_cache, *data_overrides(out, "extract.window_timeout_s=30"))
     failed: list[BaseException] = []
 
     def extract() -> None:
