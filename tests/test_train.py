@@ -147,6 +147,66 @@ def test_a_time_limit_ends_training_as_if_done(compose, shards: Path, tmp_path: 
     assert set(load_file(run_dir / "draft" / "model.safetensors")) == CONTRACT
 
 
+def val_rows(run_dir: Path) -> list[tuple[int, float]]:
+    rows = csv.DictReader(open(run_dir / "metrics.csv"))
+    return [(int(r["step"]), float(r["val/tau_sim"])) for r in rows if r["val/tau_sim"]]
+
+
+def scripted_tau_sim(monkeypatch: pytest.MonkeyPatch, scores: list[float]) -> None:
+    """val/tau_sim of each validation in turn from `scores` (a tiny random target's stays ~1.0 whatever is
+    trained: the selection, not the learning, is what these tests check)."""
+    left = iter(scores)
+    monkeypatch.setattr(
+        "eaglet.train.module.tau_sim", lambda correct, count: torch.tensor(next(left), dtype=torch.float64)
+    )
+
+
+# Validated after steps 3 and 6 (every 3), not after the last.
+SEVEN_STEPS = ("trainer.max_steps=7", "trainer.lr=3e-2")
+
+
+def test_the_steps_after_the_last_validation_are_weighed_before_export(
+    compose, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state after step 7 is validated too, and exported: it scores better than steps 3 and 6."""
+    scripted_tau_sim(monkeypatch, [1.1, 1.2, 1.3])
+    run_dir = tmp_path / "run"
+    summary = run_training(compose(*train_overrides(shards, tmp_path, *SEVEN_STEPS)), run_dir)
+    # metrics.csv's steps: a validation during fit is logged at its step - 1, one after fit at the step count.
+    assert val_rows(run_dir) == [(2, pytest.approx(1.1)), (5, pytest.approx(1.2)), (7, pytest.approx(1.3))]
+    assert Path(summary.best_checkpoint).name == "last.ckpt" and summary.tau_sim == pytest.approx(1.3)
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    best = torch.load(run_dir / "checkpoints" / "best-step6.ckpt", weights_only=True)["state_dict"]
+    exported = load_file(run_dir / "draft" / "model.safetensors")
+    assert not torch.equal(state["head.fc.weight"], best["head.fc.weight"])  # step 7 changed the head
+    assert torch.equal(exported["fc.weight"], state["head.fc.weight"].to(exported["fc.weight"].dtype))
+
+
+def test_a_final_state_no_better_than_the_best_leaves_the_best_exported(
+    compose, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same run with step 7 scoring no better (a tie included): the best validation's head, re-validated."""
+    scripted_tau_sim(monkeypatch, [1.1, 1.3, 1.3, 1.3])
+    run_dir = tmp_path / "run"
+    summary = run_training(compose(*train_overrides(shards, tmp_path, *SEVEN_STEPS)), run_dir)
+    assert [step for step, _ in val_rows(run_dir)] == [2, 5, 7, 7]  # the final state, then the selected head
+    assert Path(summary.best_checkpoint).name == "best-step6.ckpt"
+    best = torch.load(run_dir / "checkpoints" / "best-step6.ckpt", weights_only=True)["state_dict"]
+    exported = load_file(run_dir / "draft" / "model.safetensors")
+    assert torch.equal(exported["fc.weight"], best["head.fc.weight"].to(exported["fc.weight"].dtype))
+
+
+def test_a_run_validated_at_its_last_step_is_not_validated_again_before_selection(
+    compose, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six steps, validated after 3 and 6: the selected head's re-validation is the only one after fit."""
+    scripted_tau_sim(monkeypatch, [1.1, 1.2, 1.2])
+    run_dir = tmp_path / "run"
+    summary = run_training(compose(*train_overrides(shards, tmp_path, "trainer.lr=3e-2")), run_dir)
+    assert [step for step, _ in val_rows(run_dir)] == [2, 5, 6]
+    assert Path(summary.best_checkpoint).name == "best-step6.ckpt"
+
+
 @pytest.mark.parametrize(
     ("extra", "error", "match"),
     [

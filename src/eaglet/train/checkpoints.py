@@ -99,3 +99,34 @@ def _validation_follows(trainer: L.Trainer) -> bool:
     """Whether the fit loop validates right after the batch that just ended (its own test, Lightning 2.x)."""
     loop = trainer.fit_loop
     return loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
+
+
+def select_head(
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    best: ModelCheckpoint | None,
+    last: Path,
+    *,
+    validate: bool,
+) -> tuple[str, dict[str, float]]:
+    """(the checkpoint to export, its validation metrics) once training is done: the best val/tau_sim among the
+    validations during training and the final state, last.ckpt.
+
+    A run whose steps do not end on a validation (max_steps not a multiple of val_every_n_steps, a run stopped
+    by max_time) would otherwise drop its last steps, those at the schedule's lowest learning rates. The final
+    state is validated then, and wins only if strictly better, as the callback's own rule is.
+    """
+    if not validate:
+        return str(last), {}
+    chosen = (best.best_model_path if best is not None else "") or str(last)
+    if chosen != str(last) and module.validated_at_step != trainer.global_step:
+        # The module in hand holds the final state (under FSDP, its shards: the strategy validates them).
+        final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+        score = final.get("val/tau_sim")
+        if score is not None and (best.best_model_score is None or score > float(best.best_model_score)):
+            return str(last), final
+    # The selected checkpoint's numbers, loaded by the strategy.
+    return chosen, trainer.validate(
+        module, datamodule=datamodule, ckpt_path=chosen, verbose=False, weights_only=True
+    )[0]

@@ -56,6 +56,7 @@ class DraftHeadModule(L.LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
+        self.validated_at_step: int | None = None
         self.head = Eagle3DraftHead(
             DraftConfig(**draft),
             target_hidden_size=target_hidden_size,
@@ -164,6 +165,8 @@ class DraftHeadModule(L.LightningModule):
         sums["count"] += out.step_counts.double()
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.state.fn == "fit":  # the steps whose state the best-checkpoint callback has weighed
+            self.validated_at_step = self.global_step
         sums = {
             name: self.all_gather(value).reshape(-1, value.numel()).sum(0)
             for name, value in self._val_sums.items()

@@ -25,7 +25,13 @@ from eaglet.shards.layout import TARGET_HEAD_FILE, shard_dir
 from eaglet.shards.tokens import is_token_store
 from eaglet.shards.window import read_retired, read_stream_plan
 from eaglet.target_model.capture import resolve_aux_layer_ids
-from eaglet.train.checkpoints import CheckpointFiles, StepCheckpoint, check_checkpoint, read_checkpoint
+from eaglet.train.checkpoints import (
+    CheckpointFiles,
+    StepCheckpoint,
+    check_checkpoint,
+    read_checkpoint,
+    select_head,
+)
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.disk_full import disk_full, said_if_disk_full
 from eaglet.train.extensions import build_extensions, check_extensions
@@ -298,15 +304,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the periodic interval
         if window is not None and trainer.is_global_zero:  # every round done, and checkpointed
             datamodule.retire_done(window.schedule.rounds, str(run.path))
-        # Final numbers are those of the selected (best val/tau_sim) checkpoint, loaded by the strategy
-        # (under FSDP the module in hand holds shards, not whole tensors).
-        best = (checkpoint.best_model_path if checkpoint is not None else "") or str(last)
-        metrics = (
-            trainer.validate(module, datamodule=datamodule, ckpt_path=best, verbose=False, weights_only=True)[
-                0
-            ]
-            if tr.val_fraction > 0
-            else {}
+        best, metrics = select_head(
+            trainer, module, datamodule, checkpoint, last, validate=tr.val_fraction > 0
         )
         failed = False
     except OSError as exc:  # checkpoints, head and the atomic writer say so themselves; this is the rest
