@@ -35,7 +35,7 @@ def test_tiny_run_records_one_row(
     bench_extract.main(
         ["model=tiny_llama", f"paths.cache_dir={model_cache}", "bench.tokens=600", "bench.batch_tokens=256",
          "bench.shard_tokens=300", "bench.min_len=20", "bench.max_len=200", "bench.repeats=1",
-         f"bench.disk_bytes={1 << 20}", f"bench.out_dir={out}", f"bench.warmup_batches={warmup_batches}"]
+         f"bench.disk_bytes={1 << 20}", f"bench.burst_bytes={1 << 16}", f"bench.out_dir={out}", f"bench.warmup_batches={warmup_batches}"]
     )  # fmt: skip
     # With a warm-up, one untimed extraction of the first batches' samples comes before the timed one of all.
     assert len(extracted) == 1 + bool(warmup_batches) and extracted[-1] >= 600
@@ -69,7 +69,7 @@ def test_without_record_nothing_is_appended(
     bench_extract.main(
         ["model=tiny_llama", f"paths.cache_dir={model_cache}", "bench.tokens=200", "bench.batch_tokens=256",
          "bench.min_len=20", "bench.max_len=100", "bench.repeats=1", f"bench.disk_bytes={1 << 16}",
-         "bench.record=0"]
+         f"bench.burst_bytes={1 << 16}", "bench.record=0"]
     )  # fmt: skip
     assert not bench_file.exists()
     assert list(tmp_path.iterdir()) == []  # the default temporary folder is removed
