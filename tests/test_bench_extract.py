@@ -84,3 +84,22 @@ def test_unknown_bench_options_are_refused() -> None:
 
 def test_filesystem_of_a_path() -> None:
     assert bench_extract.filesystem(Path("/proc/self")) in {"proc", "?"}
+
+
+def test_the_disk_probe_writes_shard_sized_files_from_threads_and_removes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real_fsync = bench_extract.os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append(bench_extract.os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    monkeypatch.setattr(bench_extract.os, "fsync", recorded)
+    rate = bench_extract.disk_write_rate(tmp_path, 10_000, 3_000, 2)
+    assert rate > 0 and sorted(synced) == [1_000, 3_000, 3_000, 3_000]  # every byte, each file fsynced whole
+    assert list(tmp_path.iterdir()) == []
+    synced.clear()
+    bench_extract.disk_write_rate(tmp_path, 5_000)  # the single-file probe
+    assert synced == [5_000] and list(tmp_path.iterdir()) == []
