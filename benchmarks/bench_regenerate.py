@@ -7,12 +7,15 @@
 Every scheduler answers the same conversations (the shared ShareGPT, OpenAssistant, ... files; with
 `bench.min_user_turns=2` only those with two or more user turns), turn by turn, through eaglet's
 `regenerate_conversations` unless said otherwise:
-- "engine": the generation engine (static slots, CUDA graphs; eaglet.generation.engine), greedy.
+- "engine": the generation engine (static slots, CUDA graphs; eaglet.generation.engine), greedy, with the
+  settings extraction uses by default (prefills replayed from CUDA graphs, split into the forwards of least cost).
 - "engine-sampled": the same, sampled (`bench.temperature`, `bench.top_p`), `bench.samples` answers per prompt.
-- "engine-overlap", "engine-sampled-overlap": the same two with the prefills queued behind each window
-  (extract.regenerate.overlap_prefill=true).
-- "engine-graphs", "engine-sampled-graphs": the same two with each prefill replayed from a CUDA graph of its
-  bucket shape (extract.regenerate.prefill_graphs=true).
+- "engine-by-length", "engine-sampled-by-length": the same two with the prefills split by similar prompt length
+  (extract.regenerate.prefill_launch_tokens=null, the rule before the cost-based split).
+- "engine-eager-prefill", "engine-sampled-eager-prefill": the same two with each prefill's kernels launched one by
+  one (extract.regenerate.prefill_graphs=false).
+- "engine-overlap", "engine-sampled-overlap": the engine with the prefills queued behind each window
+  (extract.regenerate.overlap_prefill=true, prefills eager).
 - "reference": the reference decoder (eaglet.generation.continuous), greedy.
 - "turn-serial": the scheduler before continuous batching, kept for comparison: fixed length-sorted batches in
   which user turn r+1 waits for turn r of all of them, a DynamicCache, Python per row at every step.
@@ -200,7 +203,8 @@ def regenerate(
     engine: str,
     sampled: bool = False,
     overlap: bool = False,
-    graphs: bool = False,
+    graphs: bool = True,
+    by_cost: bool = True,
 ) -> tuple[list[list[Turn]], int]:
     """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens)."""
     # Several answers per prompt: copies under their own ids, so each samples its own stream.
@@ -215,6 +219,7 @@ def regenerate(
         compile=bool(opts["compile"]),
         overlap_prefill=overlap,
         prefill_graphs=graphs,
+        prefill_launch_tokens=RegenerateConfig.prefill_launch_tokens if by_cost else None,
         temperature=float(opts["temperature"]) if sampled else 0.0,
         top_p=float(opts["top_p"]) if sampled else 1.0,
     )
@@ -272,16 +277,23 @@ SCHEDULERS = {
     "reference": lambda m, t, c, o: regenerate(m, t, c, o, engine="reference"),
     "engine": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine"),
     "engine-sampled": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", sampled=True),
-    "engine-overlap": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", overlap=True),
-    "engine-sampled-overlap": lambda m, t, c, o: regenerate(
-        m, t, c, o, engine="engine", sampled=True, overlap=True
+    "engine-by-length": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", by_cost=False),
+    "engine-sampled-by-length": lambda m, t, c, o: regenerate(
+        m, t, c, o, engine="engine", sampled=True, by_cost=False
     ),
-    "engine-graphs": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", graphs=True),
-    "engine-sampled-graphs": lambda m, t, c, o: regenerate(
-        m, t, c, o, engine="engine", sampled=True, graphs=True
+    "engine-eager-prefill": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", graphs=False),
+    "engine-sampled-eager-prefill": lambda m, t, c, o: regenerate(
+        m, t, c, o, engine="engine", sampled=True, graphs=False
+    ),
+    "engine-overlap": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", overlap=True, graphs=False),
+    "engine-sampled-overlap": lambda m, t, c, o: regenerate(
+        m, t, c, o, engine="engine", sampled=True, overlap=True, graphs=False
     ),
     "transformers-cb": transformers_cb,
 }
+# Rows counted in answers (several per prompt, or first turns only), not in conversations.
+SAMPLED = ("engine-sampled", "engine-sampled-by-length", "engine-sampled-eager-prefill", "engine-sampled-overlap",
+           "transformers-cb")  # fmt: skip
 
 
 @torch.inference_mode()
@@ -392,12 +404,7 @@ def main(argv: list[str]) -> None:
     rows = []
     for name, (answers, tokens, seconds) in results.items():
         turns = sum(t.role == "assistant" for a in answers for t in a)
-        count = (
-            len(answers)
-            if name
-            in ("engine-sampled", "engine-sampled-overlap", "engine-sampled-graphs", "transformers-cb")
-            else len(conversations)
-        )
+        count = len(answers) if name in SAMPLED else len(conversations)
         rows.append(
             f"| {date.today()} | {machine()} | {cfg.model.name} ({target.dtype}) | {name} | {count:,} "
             f"| {turns:,} | {tokens:,} | {opts['batch_size']} | {seconds:,.1f} | {tokens / seconds:,.0f} "
@@ -408,7 +415,14 @@ def main(argv: list[str]) -> None:
     notes = []
     greedy = [
         results[n][0]
-        for n in ("reference", "engine", "engine-overlap", "engine-graphs", "turn-serial")
+        for n in (
+            "reference",
+            "engine",
+            "engine-by-length",
+            "engine-eager-prefill",
+            "engine-overlap",
+            "turn-serial",
+        )
         if n in results
     ]
     if len(greedy) >= 2:

@@ -87,6 +87,30 @@ def test_greedy_answers_equal_the_reference_decoder(kind: str) -> None:
     # spare slot: no busy slot's cache is touched.
     assert run(model, "engine", prefill_graphs=True) == reference
     assert run(model, "engine", rows=5, prefill_graphs=True, overlap_prefill=True) == reference
+    # However the prompts are split into prefills: by least cost (the default above), each prompt's padding
+    # least (no cost per forward), or by similar length.
+    for launch in (0, 10**6, None):
+        assert run(model, "engine", rows=6, prefill_graphs=True, prefill_launch_tokens=launch) == reference
+
+
+def test_the_engine_prefills_in_as_many_forwards_as_the_plan_says(monkeypatch) -> None:
+    model = tiny("llama")
+    calls: list[int] = []
+    replay = GraphedPrefill.__call__
+
+    def counted(self, slots, ids, lengths):
+        calls.append(ids.shape[0])
+        return replay(self, slots, ids, lengths)
+
+    monkeypatch.setattr(GraphedPrefill, "__call__", counted)
+    forwards = {}
+    for launch in (0, 10**6):
+        calls.clear()
+        run(model, "engine", rows=6, prefill_graphs=True, prefill_launch_tokens=launch)
+        forwards[launch] = len(calls)
+        assert sum(calls) == 12, "every request prefilled once"
+    # A forward that costs nothing splits the first six prompts by width; a costly one takes them together.
+    assert forwards[10**6] < forwards[0]
 
 
 def test_sampled_answers_follow_the_same_per_row_streams() -> None:

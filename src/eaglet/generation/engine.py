@@ -31,6 +31,7 @@ import torch
 from torch.profiler import record_function
 
 from eaglet.generation.prefill_graphs import GraphedPrefill
+from eaglet.generation.prefill_plan import plan_prefills
 from eaglet.generation.sampling import pick_next
 from eaglet.generation.static_model import SlotDecoder
 from eaglet.generation.work import DecodeSettings, Request, WorkSource, prefill_chunks
@@ -259,7 +260,14 @@ class _Engine:
         pairs = sorted(zip(slots, requests, strict=True), key=lambda pair: -len(pair[1].prompt))
         order = [request for _, request in pairs]
         slot_of = {id(request): slot for slot, request in pairs}
-        for chunk in prefill_chunks(order, self.settings.prefill_tokens, self._min_prefill_tokens):
+        launch = self.settings.prefill_launch_tokens
+        if self.settings.prefill_graphs and launch is not None:
+            chunks = plan_prefills(
+                order, launch_tokens=launch, max_tokens=self.settings.prefill_tokens, capacity=self.capacity
+            )
+        else:
+            chunks = prefill_chunks(order, self.settings.prefill_tokens, self._min_prefill_tokens)
+        for chunk in chunks:
             chunk_slots = [slot_of[id(request)] for request in chunk]
             self._prefill(chunk_slots, chunk)
 
