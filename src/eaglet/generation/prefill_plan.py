@@ -1,11 +1,14 @@
 """Which prompts share a prefill forward when each forward is padded to a bucket shape and replayed from a graph.
 
 A replayed prefill costs a fixed amount (every layer's small kernels, whatever the shape) plus its padded
-tokens. Splitting a refill's prompts by similar length alone gave about ten forwards a window for the spread of
-chat prompts (32 to 1,000 tokens), each paying the fixed cost: on one H200 the prefills of SmolLM2's answers
-took 1.7 ms a decode step against the step's ~3 ms. Here the split is the one of least total cost, found
-exactly over the prompts sorted longest first (only consecutive runs can be worth grouping: a chunk is as wide
-as its longest prompt).
+tokens. Splitting a refill's prompts by similar length alone ignores both: for the shared first turns (median 75
+tokens, a long tail) a refill of 30 prompts took 5.5 forwards and 5,378 padded tokens for 3,127 real ones. Here
+the split is the one of least total cost, found exactly over the prompts sorted longest first (only consecutive
+runs can be worth grouping: a chunk is as wide as its longest prompt).
+
+The fixed cost, in padded tokens, was read off one H100 (SmolLM2, 2026-12-06, experiments/BENCHMARKS.md): a
+plan at 4,096 (1.6 forwards and 7,327 padded tokens a refill) took the same prefill time as the split by length,
+so one forward costs about what 500 padded tokens do.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from eaglet.generation.prefill_graphs import bucket_rows, bucket_width
 from eaglet.generation.work import Request
 
 
+def padded_width(longest: int, capacity: int | None = None) -> int:
+    """The width of a graphed prefill whose longest prompt is `longest` tokens (never wider than the cache)."""
+    return bucket_width(longest) if capacity is None else min(bucket_width(longest), capacity)
+
+
 def padded_tokens(rows: int, longest: int, capacity: int | None = None) -> int:
     """Tokens a graphed prefill of `rows` prompts, the longest `longest` tokens, computes (its bucket shape)."""
-    width = bucket_width(longest) if capacity is None else min(bucket_width(longest), capacity)
-    return bucket_rows(rows) * width
+    return bucket_rows(rows) * padded_width(longest, capacity)
 
 
 def plan_prefills(
@@ -33,7 +40,7 @@ def plan_prefills(
     over `max_tokens`.
     """
     count = len(requests)
-    widths = [padded_tokens(1, len(request.prompt), capacity) for request in requests]
+    widths = [padded_width(len(request.prompt), capacity) for request in requests]
     best = [0.0] + [math.inf] * count
     start_of = [0] * (count + 1)
     for end in range(1, count + 1):
