@@ -8,10 +8,8 @@ Every scheduler answers the same conversations (the shared ShareGPT, OpenAssista
 `bench.min_user_turns=2` only those with two or more user turns), turn by turn, through eaglet's
 `regenerate_conversations` unless said otherwise:
 - "engine": the generation engine (static slots, CUDA graphs; eaglet.generation.engine), greedy, with the
-  settings extraction uses by default (prefills replayed from CUDA graphs, split into the forwards of least cost).
+  settings extraction uses by default (prefills replayed from CUDA graphs).
 - "engine-sampled": the same, sampled (`bench.temperature`, `bench.top_p`), `bench.samples` answers per prompt.
-- "engine-by-length", "engine-sampled-by-length": the same two with the prefills split by similar prompt length
-  (extract.regenerate.prefill_launch_tokens=null, the rule before the cost-based split).
 - "engine-eager-prefill", "engine-sampled-eager-prefill": the same two with each prefill's kernels launched one by
   one (extract.regenerate.prefill_graphs=false).
 - "engine-overlap", "engine-sampled-overlap": the engine with the prefills queued behind each window
@@ -204,7 +202,6 @@ def regenerate(
     sampled: bool = False,
     overlap: bool = False,
     graphs: bool = True,
-    by_cost: bool = True,
 ) -> tuple[list[list[Turn]], int]:
     """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens)."""
     # Several answers per prompt: copies under their own ids, so each samples its own stream.
@@ -219,7 +216,6 @@ def regenerate(
         compile=bool(opts["compile"]),
         overlap_prefill=overlap,
         prefill_graphs=graphs,
-        prefill_launch_tokens=RegenerateConfig.prefill_launch_tokens if by_cost else None,
         temperature=float(opts["temperature"]) if sampled else 0.0,
         top_p=float(opts["top_p"]) if sampled else 1.0,
     )
@@ -277,10 +273,6 @@ SCHEDULERS = {
     "reference": lambda m, t, c, o: regenerate(m, t, c, o, engine="reference"),
     "engine": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine"),
     "engine-sampled": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", sampled=True),
-    "engine-by-length": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", by_cost=False),
-    "engine-sampled-by-length": lambda m, t, c, o: regenerate(
-        m, t, c, o, engine="engine", sampled=True, by_cost=False
-    ),
     "engine-eager-prefill": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", graphs=False),
     "engine-sampled-eager-prefill": lambda m, t, c, o: regenerate(
         m, t, c, o, engine="engine", sampled=True, graphs=False
@@ -292,8 +284,7 @@ SCHEDULERS = {
     "transformers-cb": transformers_cb,
 }
 # Rows counted in answers (several per prompt, or first turns only), not in conversations.
-SAMPLED = ("engine-sampled", "engine-sampled-by-length", "engine-sampled-eager-prefill", "engine-sampled-overlap",
-           "transformers-cb")  # fmt: skip
+SAMPLED = ("engine-sampled", "engine-sampled-eager-prefill", "engine-sampled-overlap", "transformers-cb")
 
 
 @torch.inference_mode()
@@ -418,7 +409,6 @@ def main(argv: list[str]) -> None:
         for n in (
             "reference",
             "engine",
-            "engine-by-length",
             "engine-eager-prefill",
             "engine-overlap",
             "turn-serial",

@@ -87,30 +87,6 @@ def test_greedy_answers_equal_the_reference_decoder(kind: str) -> None:
     # spare slot: no busy slot's cache is touched.
     assert run(model, "engine", prefill_graphs=True) == reference
     assert run(model, "engine", rows=5, prefill_graphs=True, overlap_prefill=True) == reference
-    # However the prompts are split into prefills: by least cost (the default above), each prompt's padding
-    # least (no cost per forward), or by similar length.
-    for launch in (0, 10**6, None):
-        assert run(model, "engine", rows=6, prefill_graphs=True, prefill_launch_tokens=launch) == reference
-
-
-def test_the_engine_prefills_in_as_many_forwards_as_the_plan_says(monkeypatch) -> None:
-    model = tiny("llama")
-    calls: list[int] = []
-    replay = GraphedPrefill.__call__
-
-    def counted(self, slots, ids, lengths):
-        calls.append(ids.shape[0])
-        return replay(self, slots, ids, lengths)
-
-    monkeypatch.setattr(GraphedPrefill, "__call__", counted)
-    forwards = {}
-    for launch in (0, 10**6):
-        calls.clear()
-        run(model, "engine", rows=6, prefill_graphs=True, prefill_launch_tokens=launch)
-        forwards[launch] = len(calls)
-        assert sum(calls) == 12, "every request prefilled once"
-    # A forward that costs nothing splits the first six prompts by width; a costly one takes them together.
-    assert forwards[10**6] < forwards[0]
 
 
 def test_sampled_answers_follow_the_same_per_row_streams() -> None:
@@ -300,3 +276,29 @@ def test_the_sampling_kernel_picks_what_the_reference_picks(top_p: float) -> Non
     )
     # Only scores equal to float32's last bits may part (exp and log are not bit-equal between libraries).
     assert (got.cpu() == want).float().mean() >= 0.99
+
+
+def test_slots_fit_the_free_memory_once_cached_blocks_are_released(monkeypatch) -> None:
+    from eaglet.generation import engine
+
+    model = tiny("llama")
+    per_slot = SlotDecoder.cache_bytes(model, 1, 100)
+    released = []
+    # The allocator holds 300 slots' worth of freed blocks until empty_cache hands them back to the driver.
+    free = {"bytes": 500 * per_slot}
+    monkeypatch.setattr(
+        torch.cuda, "empty_cache", lambda: (released.append(1), free.update(bytes=800 * per_slot))
+    )
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 10**12))
+    gpu = torch.device("cuda", 0)
+    # 0.8 of 800 slots' memory: 640, a multiple of SLOT_STEP (64) already.
+    assert engine._fit_slots(model, 1024, 100, gpu) == 640 and released
+    # Nearby amounts of free memory give the same count (one compiled decode step), never more than wanted.
+    for slots in (810, 830, 879):
+        free_bytes = slots * per_slot
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda b=free_bytes: free.update(bytes=b))
+        assert engine._fit_slots(model, 1024, 100, gpu) == 640
+    assert engine._fit_slots(model, 16, 100, gpu) == 16
+    # Fewer than one step: as many as fit.
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: free.update(bytes=50 * per_slot))
+    assert engine._fit_slots(model, 1024, 100, gpu) == 40

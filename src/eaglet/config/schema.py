@@ -196,10 +196,6 @@ class RegenerateConfig:
     # launching its kernels one by one: the host's launches were most of the prefill's time. Same answers;
     # 1.20x the new tokens/s on one H200 (experiments/BENCHMARKS.md). A capture that fails falls back to eager.
     prefill_graphs: bool = True
-    # With prefill_graphs: one prefill forward's cost beyond its padded tokens, in padded tokens. New prompts
-    # are split into the forwards of least total cost (eaglet.generation.prefill_plan), not by similar length
-    # alone (5.5 forwards for a refill of 30 chat prompts). Same answers. null: by similar length.
-    prefill_launch_tokens: int | None = 512
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
     # Model name to request; null = the one model the endpoint lists at /v1/models.

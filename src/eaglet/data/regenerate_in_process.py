@@ -80,7 +80,6 @@ def regenerate_in_process(
         compile=cfg.compile,
         overlap_prefill=cfg.overlap_prefill,
         prefill_graphs=cfg.prefill_graphs,
-        prefill_launch_tokens=cfg.prefill_launch_tokens,
     )
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -325,8 +325,7 @@ def regenerate_settings(
         unused += ("sampled_conversations",)
     if regen.sampled_from == "all":  # as before the key existed
         unused += ("sampled_from",)
-    # how the engine prefills, not what it answers
-    unused += ("overlap_prefill", "prefill_graphs", "prefill_launch_tokens")
+    unused += ("overlap_prefill", "prefill_graphs")  # how the engine prefills, not what it answers
     return {k: v for k, v in dict(regen).items() if k not in without + unused} | {"seed": job.seed}
 
 

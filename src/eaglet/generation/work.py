@@ -43,10 +43,6 @@ class DecodeSettings:
     # small forward costs its kernel launches more than its compute).
     prefill_tokens: int = 32768
     min_prefill_tokens: int | None = None
-    # With prefill_graphs: what one prefill forward costs beyond its padded tokens, counted in padded tokens
-    # (a graph replay still runs every layer's ~20 small kernels); the prompts are split into the chunks of
-    # least total cost (eaglet.generation.prefill_plan). null: the rule above (similar lengths together).
-    prefill_launch_tokens: int | None = 512
     # Which decoder: "engine" (eaglet.generation.engine: static slots, CUDA graphs), "reference"
     # (eaglet.generation.continuous: any transformers model), or "auto": the engine on CUDA for the
     # architectures it knows, else the reference.
