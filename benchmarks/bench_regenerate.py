@@ -158,7 +158,7 @@ def turn_serial_decode(
 
 def turn_serial(
     model, tokenizer, conversations: list[Conversation], opts: dict
-) -> tuple[list[list[Turn]], int]:
+) -> tuple[list[list[Turn]], int, int]:
     """The previous scheduler: (turns per conversation, generated tokens)."""
     pending = sorted(
         range(len(conversations)), key=lambda i: (len(conversations[i].turns[0].content), conversations[i].id)
@@ -189,7 +189,7 @@ def turn_serial(
             for i, ids in zip(active, outputs, strict=True):
                 answers[i].append(Turn("assistant", tokenizer.decode(ids, skip_special_tokens=True).strip()))
                 generated += len(ids)
-    return answers, generated
+    return answers, generated, opts["batch_size"]
 
 
 def regenerate(
@@ -202,8 +202,9 @@ def regenerate(
     sampled: bool = False,
     overlap: bool = False,
     graphs: bool = True,
-) -> tuple[list[list[Turn]], int]:
-    """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens)."""
+) -> tuple[list[list[Turn]], int, int]:
+    """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens, rows decoded at
+    once)."""
     # Several answers per prompt: copies under their own ids, so each samples its own stream.
     if sampled and opts["samples"] > 1:
         conversations = [replace(c, id=f"{c.id}#{k}") for c in conversations for k in range(opts["samples"])]
@@ -228,7 +229,7 @@ def regenerate(
             out_path=Path(tmp) / "r.jsonl",
             max_length=opts["max_length"],
         )
-    return [list(c.turns) for c in out], stats.generated_tokens
+    return [list(c.turns) for c in out], stats.generated_tokens, stats.rows
 
 
 def first_user_turns(conv: Conversation, count: int) -> Conversation:
@@ -249,7 +250,7 @@ def first_turn_prompts(tokenizer, conversations: list[Conversation], opts: dict)
 
 def transformers_cb(
     model, tokenizer, conversations: list[Conversation], opts: dict
-) -> tuple[list[list[Turn]], int]:
+) -> tuple[list[list[Turn]], int, int]:
     """transformers' generate_batch over the first user turns, greedy (its paged attention, CUDA graphs)."""
     from transformers import GenerationConfig
 
@@ -265,7 +266,7 @@ def transformers_cb(
     finally:
         model.set_attn_implementation(previous)
     tokens = sum(len(r.generated_tokens) for r in results.values())
-    return [[Turn("assistant", "")] for _ in results], tokens
+    return [[Turn("assistant", "")] for _ in results], tokens, opts["batch_size"]
 
 
 SCHEDULERS = {
@@ -379,12 +380,12 @@ def main(argv: list[str]) -> None:
         sync()
         start = time.perf_counter()
         try:
-            answers, tokens = SCHEDULERS[name](model, tokenizer, conversations, opts)
+            answers, tokens, slots = SCHEDULERS[name](model, tokenizer, conversations, opts)
         except Exception as error:  # a comparison row (transformers' own API) may not run on this version
             print(f"{name}: failed: {type(error).__name__}: {error}")
             continue
         sync()
-        results[name] = (answers, tokens, time.perf_counter() - start)
+        results[name] = (answers, tokens, time.perf_counter() - start, slots)
         print(f"{name}: {tokens:,} tokens in {results[name][2]:.1f} s", flush=True)
 
     header = (
@@ -393,12 +394,12 @@ def main(argv: list[str]) -> None:
     )
     base = next(iter(results.values()))
     rows = []
-    for name, (answers, tokens, seconds) in results.items():
+    for name, (answers, tokens, seconds, slots) in results.items():
         turns = sum(t.role == "assistant" for a in answers for t in a)
         count = len(answers) if name in SAMPLED else len(conversations)
         rows.append(
             f"| {date.today()} | {machine()} | {cfg.model.name} ({target.dtype}) | {name} | {count:,} "
-            f"| {turns:,} | {tokens:,} | {opts['batch_size']} | {seconds:,.1f} | {tokens / seconds:,.0f} "
+            f"| {turns:,} | {tokens:,} | {slots:,} | {seconds:,.1f} | {tokens / seconds:,.0f} "
             f"| {base[2] / seconds * tokens / base[1]:.2f}x |"
         )
     print(header)

@@ -67,6 +67,7 @@ def test_every_user_turn_gets_the_targets_answer(target, tmp_path: Path) -> None
     assert all(t.content not in ("old", "old2") for c in out for t in c.turns if t.role == "assistant")
     assert [t.content for t in out[0].turns if t.role != "assistant"] == ["Be brief.", "Hi", "And?"]
     assert stats.generated_turns == 5 and 0 < stats.generated_tokens <= 25
+    assert stats.rows == SETTINGS.batch_size, "the rows decoded at once are reported"
     lines = (tmp_path / "r.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["id"] for line in lines) == ["ends-with-user", "multi", "prompt-only"]
 

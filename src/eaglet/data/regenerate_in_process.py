@@ -105,7 +105,7 @@ def regenerate_in_process(
             on_written=written,
             prefixes=prefixes,
         )
-        decode_continuous(model, turns, settings)
+        stats.rows = decode_continuous(model, turns, settings)
         turns.flush()
     stats.seconds = time.perf_counter() - start
     return [done[c.id] for c in conversations], stats

@@ -18,6 +18,8 @@ class RegenerateStats:
     seconds: float = 0.0
     # Requests sent again after a connection error, timeout, 429 or 5xx (endpoint path only).
     retries: int = 0
+    # Rows decoded at once in-process (the batch size, or fewer where the GPU's memory holds fewer); 0: none.
+    rows: int = 0
 
     def merged(self, other: RegenerateStats) -> RegenerateStats:
         """Both runs' counts together (a greedy pass and its sampled answers)."""
@@ -30,4 +32,5 @@ class RegenerateStats:
             reused_turns=self.reused_turns + other.reused_turns,
             seconds=self.seconds + other.seconds,
             retries=self.retries + other.retries,
+            rows=max(self.rows, other.rows),
         )

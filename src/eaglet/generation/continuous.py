@@ -29,8 +29,9 @@ from eaglet.generation.work import DecodeSettings, Request, WorkSource, prefill_
 
 
 @torch.inference_mode()
-def decode_reference(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
-    """Decode every request `source` hands out until it has no more and no row is running."""
+def decode_reference(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> int:
+    """Decode every request `source` hands out until it has no more and no row is running; the rows it
+    decoded at once (settings.max_rows)."""
     # The named ranges show up in a torch.profiler trace (benchmarks/bench_regenerate.py bench.profile=1).
     with gqa_decode(model):
         batch = _RunningBatch(model, settings)
@@ -42,7 +43,7 @@ def decode_reference(model: torch.nn.Module, source: WorkSource, settings: Decod
                     source.finish(request, tokens)
                 incoming = source.take(settings.max_rows - batch.size)
             if not incoming and batch.size == 0:
-                return
+                return settings.max_rows
             if incoming or batch.changed:
                 with record_function("regen.refill"):
                     batch.refill(incoming)

@@ -39,12 +39,12 @@ def chosen_engine(model: torch.nn.Module, engine: str = "auto") -> str:
     return "engine"
 
 
-def decode_continuous(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
-    """Decode every request `source` hands out until it has no more, with the decoder `chosen_engine` picks."""
+def decode_continuous(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> int:
+    """Decode every request `source` hands out until it has no more, with the decoder `chosen_engine` picks;
+    the rows it decoded at once (fewer than settings.max_rows where the GPU's memory holds fewer)."""
     if chosen_engine(model, settings.engine) == "engine":
-        decode_static(model, source, settings)
-    else:
-        decode_reference(model, source, settings)
+        return decode_static(model, source, settings)
+    return decode_reference(model, source, settings)
 
 
 class _PromptList:

@@ -92,12 +92,14 @@ class _Clock:
 
 
 @torch.inference_mode()
-def decode_static(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> None:
-    """Decode every request `source` hands out until it has no more and no slot is busy."""
+def decode_static(model: torch.nn.Module, source: WorkSource, settings: DecodeSettings) -> int:
+    """Decode every request `source` hands out until it has no more and no slot is busy; the rows (slots) it
+    decoded at once."""
     if settings.max_context is None:
         raise ValueError("the generation engine needs DecodeSettings.max_context (prompt + answer tokens)")
     engine = _Engine(model, settings)
     engine.run(source)
+    return engine.slots
 
 
 class _Engine:
