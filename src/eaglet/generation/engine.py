@@ -23,6 +23,7 @@ are within rounding of each other.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -328,12 +329,14 @@ def _fit_slots(model: torch.nn.Module, wanted: int, capacity: int, device: torch
     to a multiple of SLOT_STEP.
 
     An engine's cache, once freed, stays reserved by torch's allocator, which the driver does not count as
-    free: on an H100 the engine after a 1,024-row one fitted 586 rows. Reserved blocks are released first.
+    free: on an H100 the engine after a 1,024-row one fitted 586 rows. Unreachable objects are collected and
+    reserved blocks released first.
     The decode step is compiled for its number of slots, so the count is rounded: nearby amounts of free memory
     (other work) give the same shape rather than a new compilation (~25 s on an H100) per engine.
     """
     if device.type != "cuda":
         return wanted
+    gc.collect()  # an earlier engine still in a reference cycle would keep its cache
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     per_slot = SlotDecoder.cache_bytes(model, 1, capacity)
