@@ -300,6 +300,7 @@ def test_slots_fit_the_free_memory_once_cached_blocks_are_released(monkeypatch) 
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda b=free_bytes: free.update(bytes=b))
         assert engine._fit_slots(model, 1024, 100, gpu) == 640
     assert engine._fit_slots(model, 16, 100, gpu) == 16
+    assert engine._fit_slots(model, 700, 100, gpu) == 700, "rounded only when fewer than wanted fit"
     # Fewer than one step: as many as fit.
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: free.update(bytes=50 * per_slot))
     assert engine._fit_slots(model, 1024, 100, gpu) == 40

@@ -341,14 +341,14 @@ def _fit_slots(model: torch.nn.Module, wanted: int, capacity: int, device: torch
     free, _ = torch.cuda.mem_get_info(device)
     per_slot = SlotDecoder.cache_bytes(model, 1, capacity)
     fits = int(free * _CACHE_SHARE // per_slot)
-    if fits > SLOT_STEP:
-        fits -= fits % SLOT_STEP
     if fits < 1:
         raise RuntimeError(
             f"the GPU has {free / 2**30:.1f} GiB free, less than one slot's cache of {capacity} tokens "
             f"({per_slot / 2**30:.2f} GiB); lower extract.max_length or free the GPU"
         )
     if fits < wanted:
+        if fits > SLOT_STEP:
+            fits -= fits % SLOT_STEP
         log.warning(
             "%d rows need %.1f GiB of key/value cache; %.1f GiB is free: decoding %d rows at a time",
             wanted, wanted * per_slot / 2**30, free / 2**30, fits,
