@@ -12,6 +12,8 @@ Every scheduler answers the same conversations (the shared ShareGPT, OpenAssista
 - "engine-sampled": the same, sampled (`bench.temperature`, `bench.top_p`), `bench.samples` answers per prompt.
 - "engine-eager-prefill", "engine-sampled-eager-prefill": the same two with each prefill's kernels launched one by
   one (extract.regenerate.prefill_graphs=false).
+- "engine-padded-prefill", "engine-sampled-padded-prefill": the same two with the prompts of a prefill
+  right-padded to a common width (extract.regenerate.packed_prefill=false) instead of packed end to end.
 - "engine-overlap", "engine-sampled-overlap": the engine with the prefills queued behind each window
   (extract.regenerate.overlap_prefill=true, prefills eager).
 - "reference": the reference decoder (eaglet.generation.continuous), greedy.
@@ -202,6 +204,7 @@ def regenerate(
     sampled: bool = False,
     overlap: bool = False,
     graphs: bool = True,
+    packed: bool | None = None,
 ) -> tuple[list[list[Turn]], int, int]:
     """eaglet's regeneration with the chosen decoder: (turns per conversation, generated tokens, rows decoded at
     once)."""
@@ -217,6 +220,7 @@ def regenerate(
         compile=bool(opts["compile"]),
         overlap_prefill=overlap,
         prefill_graphs=graphs,
+        packed_prefill=packed,
         temperature=float(opts["temperature"]) if sampled else 0.0,
         top_p=float(opts["top_p"]) if sampled else 1.0,
     )
@@ -278,6 +282,10 @@ SCHEDULERS = {
     "engine-sampled-eager-prefill": lambda m, t, c, o: regenerate(
         m, t, c, o, engine="engine", sampled=True, graphs=False
     ),
+    "engine-padded-prefill": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", packed=False),
+    "engine-sampled-padded-prefill": lambda m, t, c, o: regenerate(
+        m, t, c, o, engine="engine", sampled=True, packed=False
+    ),
     "engine-overlap": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", overlap=True, graphs=False),
     "engine-sampled-overlap": lambda m, t, c, o: regenerate(
         m, t, c, o, engine="engine", sampled=True, overlap=True, graphs=False
@@ -285,7 +293,8 @@ SCHEDULERS = {
     "transformers-cb": transformers_cb,
 }
 # Rows counted in answers (several per prompt, or first turns only), not in conversations.
-SAMPLED = ("engine-sampled", "engine-sampled-eager-prefill", "engine-sampled-overlap", "transformers-cb")
+SAMPLED = ("engine-sampled", "engine-sampled-eager-prefill", "engine-sampled-padded-prefill", "engine-sampled-overlap",
+           "transformers-cb")  # fmt: skip
 
 
 @torch.inference_mode()
@@ -411,6 +420,7 @@ def main(argv: list[str]) -> None:
             "reference",
             "engine",
             "engine-eager-prefill",
+            "engine-padded-prefill",
             "engine-overlap",
             "turn-serial",
         )

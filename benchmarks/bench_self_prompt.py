@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
             out_path=Path(folder) / "prompts.jsonl", seed=cfg.seed, held_out=eval_set_prompts(cfg.eval.set_defs),
             examples_from=examples_from,
             engine=str(rg.engine), compile=rg.compile, overlap_prefill=rg.overlap_prefill,
-            prefill_graphs=rg.prefill_graphs,
+            prefill_graphs=rg.prefill_graphs, packed_prefill=rg.packed_prefill,
         )  # fmt: skip
     print(format_self_prompt_report(self_prompt_report(stats, prompts)))
     sp = cfg.extract.self_prompt

@@ -21,8 +21,10 @@ from transformers import (
 
 from eaglet.generation import DecodeSettings, Request, chosen_engine, decode_batch, decode_continuous
 from eaglet.generation.decode_attention import decode_attention, reference_decode_attention
+from eaglet.generation.packed_attention import packed_attention, reference_packed_attention
 from eaglet.generation.prefill_graphs import GraphedPrefill, bucket_rows, bucket_width
-from eaglet.generation.static_model import SlotDecoder, unsupported_reason
+from eaglet.generation.static_model import PackedPrompts, SlotDecoder, unsupported_reason
+from eaglet.generation.work import packed_chunks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DIMS = {"vocab_size": 96, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 3,
@@ -88,6 +90,13 @@ def test_greedy_answers_equal_the_reference_decoder(kind: str) -> None:
     # spare slot: no busy slot's cache is touched.
     assert run(model, "engine", prefill_graphs=True) == reference
     assert run(model, "engine", rows=5, prefill_graphs=True, overlap_prefill=True) == reference
+    # Prompts packed end to end (attention prompt by prompt here), eagerly and through padded buckets.
+    assert run(model, "engine", packed_prefill=True) == reference
+    assert run(model, "engine", rows=5, packed_prefill=True, prefill_graphs=True) == reference
+    assert (
+        run(model, "engine", rows=16, packed_prefill=True, prefill_graphs=True, prefill_tokens=40)
+        == reference
+    )
 
 
 def test_sampled_answers_follow_the_same_per_row_streams() -> None:
@@ -97,6 +106,7 @@ def test_sampled_answers_follow_the_same_per_row_streams() -> None:
     assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5) == reference
     assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, overlap_prefill=True) == reference
     assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, prefill_graphs=True) == reference
+    assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, packed_prefill=True) == reference
     assert reference != run(model, "reference"), "sampling must differ from greedy here"
 
 
@@ -128,12 +138,72 @@ def test_a_bucketed_prefill_gives_the_plain_prefills_logits_and_cache() -> None:
         assert not padded.keys[layer][1].any(), "a slot no prompt went to was written"
 
 
+def test_packed_prompts_list_each_tokens_slot_and_column() -> None:
+    packed = PackedPrompts.build([[7, 8, 9], [4], [5, 6]], [2, 0, 5], torch.device("cpu"))
+    assert packed.ids.tolist() == [7, 8, 9, 4, 5, 6]
+    assert packed.positions.tolist() == [0, 1, 2, 0, 0, 1]
+    assert packed.slots.tolist() == [2, 2, 2, 0, 5, 5]
+    assert packed.starts.tolist() == [0, 3, 4, 6]
+    assert packed.last.tolist() == [2, 3, 5]
+    assert packed.longest == 3
+
+
+def test_packed_chunks_hold_at_most_the_budgets_prompt_tokens() -> None:
+    requests = [Request([1] * n) for n in (30, 20, 20, 50, 5, 1)]
+    chunks = packed_chunks(requests, budget=50)
+    assert [[len(r.prompt) for r in chunk] for chunk in chunks] == [[30, 20], [20], [50], [5, 1]]
+    assert [r for chunk in chunks for r in chunk] == requests
+
+
+def test_reference_packed_attention_is_each_prompts_causal_attention() -> None:
+    torch.manual_seed(0)
+    lengths = [5, 1, 7, 0, 3]
+    query = torch.randn(sum(lengths), 6, 8)
+    keys, values = torch.randn(sum(lengths), 2, 8), torch.randn(sum(lengths), 2, 8)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    got = reference_packed_attention(query, keys, values, starts, scale=0.3)
+    for begin, n in zip(starts.tolist(), lengths, strict=False):
+        q = query[begin : begin + n].transpose(0, 1)
+        k, v = (t[begin : begin + n].repeat_interleave(3, 1).transpose(0, 1) for t in (keys, values))
+        scores = (q @ k.transpose(1, 2)) * 0.3
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(got[begin : begin + n], (scores.softmax(-1) @ v).transpose(0, 1))
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_a_packed_prefill_gives_the_padded_prefills_logits_and_cache(bucketed: bool) -> None:
+    model = tiny("qwen3")
+    plain = SlotDecoder(model, slots=4, capacity=64)
+    packed = SlotDecoder(model, slots=4, capacity=64, spare=1)
+    prompts, slot_list = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]], [2, 0, 3]
+    ids = torch.tensor([[5, 6, 7, 8, 9], [11, 12, 0, 0, 0], [13, 14, 15, 0, 0]])
+    lengths, slots = torch.tensor([5, 2, 3]), torch.tensor(slot_list)
+    inputs = PackedPrompts.build(prompts, slot_list, torch.device("cpu"))
+    with torch.no_grad():
+        want = plain.prefill(slots, ids, lengths)
+        if bucketed:  # ten tokens run as 32: 22 padding tokens in the spare slot
+            got = GraphedPrefill(packed, scratch=4, pad_id=0, graphs=False).packed(inputs)
+        else:
+            got = packed.prefill_packed(inputs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer in range(len(plain.keys)):
+        for slot, length in zip(slot_list, lengths.tolist(), strict=True):
+            torch.testing.assert_close(
+                packed.keys[layer][slot, :, :length], plain.keys[layer][slot, :, :length]
+            )
+            torch.testing.assert_close(
+                packed.values[layer][slot, :, :length], plain.values[layer][slot, :, :length]
+            )
+        assert not packed.keys[layer][1].any(), "a slot no prompt went to was written"
+        assert not packed.keys[layer][slot_list[0], :, 5:].any(), "columns past a prompt were written"
+
+
 def test_a_prefill_graph_that_cannot_be_captured_leaves_the_prefills_eager(monkeypatch, caplog) -> None:
     model = tiny("llama")
     decoder = SlotDecoder(model, slots=2, capacity=64, spare=1)
     bucketed = GraphedPrefill(decoder, scratch=2, pad_id=0, graphs=True)
 
-    def fail(bucket) -> None:
+    def fail(bucket, forward) -> None:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(bucketed, "_capture", fail)
@@ -258,6 +328,33 @@ def test_on_the_gpu_prefills_replayed_from_graphs_change_nothing() -> None:
     assert run(model, "engine", prefill_graphs=True) == reference
     assert run(model, "engine", rows=5, prefill_graphs=True, overlap_prefill=True) == reference
     sampled = run(model, "reference", temperature=0.9, top_p=0.8)
+    assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, prefill_graphs=True) == sampled
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_variable_length_kernel_matches_the_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    lengths = [300, 1, 77, 0, 1024, 5]
+    total = sum(lengths)
+    query = torch.randn(total, 9, 64, device="cuda", dtype=dtype)
+    keys, values = (torch.randn(total, 3, 64, device="cuda", dtype=dtype) for _ in range(2))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    got = packed_attention(query, keys, values, starts, longest=total, scale=0.125)
+    want = reference_packed_attention(query.float(), keys.float(), values.float(), starts, scale=0.125)
+    error = (got.float() - want).norm() / want.norm()
+    assert error < 1e-2, error
+
+
+@cuda
+def test_on_the_gpu_packed_prefills_change_nothing() -> None:
+    model = tiny("llama").cuda().to(torch.bfloat16)
+    padded = run(model, "engine", rows=5, prefill_graphs=True, packed_prefill=False)
+    assert run(model, "engine", rows=5, prefill_graphs=True) == padded  # packed: the default in bf16 on CUDA
+    assert run(model, "engine", rows=5, prefill_graphs=False, packed_prefill=True) == padded
+    sampled = run(
+        model, "engine", temperature=0.9, top_p=0.8, rows=5, prefill_graphs=True, packed_prefill=False
+    )
     assert run(model, "engine", temperature=0.9, top_p=0.8, rows=5, prefill_graphs=True) == sampled
 
 

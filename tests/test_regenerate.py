@@ -264,12 +264,17 @@ def test_continuous_batching_equals_turn_by_turn_greedy(target, tmp_path: Path) 
     assert len(lengths) > 2
 
 
-@pytest.mark.parametrize("overlap, graphs", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    "overlap, graphs, packed",
+    [(False, False, None), (True, False, None), (False, True, None), (False, True, True)],
+)
 def test_the_engine_answers_as_turn_by_turn_greedy_however_it_prefills(
-    target, tmp_path: Path, overlap: bool, graphs: bool
+    target, tmp_path: Path, overlap: bool, graphs: bool, packed: bool | None
 ) -> None:
     tokenizer = _StopAt(target.tokenizer, STOP)
-    cfg = replace(CONTINUOUS, engine="engine", overlap_prefill=overlap, prefill_graphs=graphs)
+    cfg = replace(
+        CONTINUOUS, engine="engine", overlap_prefill=overlap, prefill_graphs=graphs, packed_prefill=packed
+    )
     out, _ = regenerate_conversations(
         target.model, tokenizer, TALKS, cfg=cfg, out_path=tmp_path / "r.jsonl", max_length=512
     )
@@ -288,6 +293,7 @@ def test_when_the_engine_prefills_is_not_part_of_the_folders_identity(compose) -
 
     assert settings("extract.regenerate.overlap_prefill=true") == settings()
     assert settings("extract.regenerate.prefill_graphs=true") == settings()
+    assert settings("extract.regenerate.packed_prefill=false") == settings()
     assert settings("extract.regenerate.max_new_tokens=7") != settings()
 
 

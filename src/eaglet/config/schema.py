@@ -196,6 +196,10 @@ class RegenerateConfig:
     # launching its kernels one by one: the host's launches were most of the prefill's time. Same answers;
     # 1.20x the new tokens/s on one H200 (experiments/BENCHMARKS.md). A capture that fails falls back to eager.
     prefill_graphs: bool = True
+    # The engine prefills prompts packed end to end, without padding: null (default) where torch's
+    # variable-length flash attention runs (CUDA, bf16/fp16), true everywhere, false right-padded as before.
+    # Same answers. Also for self-prompting and follow-ups.
+    packed_prefill: bool | None = None
     # OpenAI-compatible endpoint (vLLM or SGLang server); null = in-process with transformers.
     endpoint: str | None = None
     # Model name to request; null = the one model the endpoint lists at /v1/models.

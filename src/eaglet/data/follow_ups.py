@@ -73,6 +73,7 @@ def add_follow_ups(
     compile: bool = True,
     overlap_prefill: bool = False,
     prefill_graphs: bool = False,
+    packed_prefill: bool | None = None,
 ) -> tuple[list[Conversation], FollowUpStats]:
     """`conversations` (self-prompted, answered; ids sp-<n>) with up to `cfg.follow_up_turns` more user turns
     that `model` wrote, each answered through `answer`; same ids and order. `held_out` holds normalised prompts
@@ -106,7 +107,7 @@ def add_follow_ups(
                     pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p,
                     seeds=[_seed(seed, conv_id, turn) for conv_id in missing], max_rows=cfg.batch_size,
                     engine=engine, compile=compile, overlap_prefill=overlap_prefill,
-                    prefill_graphs=prefill_graphs,
+                    prefill_graphs=prefill_graphs, packed_prefill=packed_prefill,
                 )  # fmt: skip
                 fresh = [
                     _record(conv_id, turn, contexts[conv_id], tokens, tokenizer, cfg)

@@ -80,6 +80,7 @@ def regenerate_in_process(
         compile=cfg.compile,
         overlap_prefill=cfg.overlap_prefill,
         prefill_graphs=cfg.prefill_graphs,
+        packed_prefill=cfg.packed_prefill,
     )
     start = time.perf_counter()
     out_path.parent.mkdir(parents=True, exist_ok=True)

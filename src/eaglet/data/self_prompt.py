@@ -145,6 +145,7 @@ def self_prompt(
     compile: bool = True,
     overlap_prefill: bool = False,
     prefill_graphs: bool = False,
+    packed_prefill: bool | None = None,
 ) -> tuple[list[Conversation], SelfPromptStats]:
     """`cfg.num_prompts` distinct user prompts written by `model`, as one-turn conversations (ids sp-<n>),
     resumed from and appended to `out_path`. `held_out` and `existing` hold normalised prompts to avoid;
@@ -206,7 +207,7 @@ def self_prompt(
                 pad_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
                 temperature=cfg.temperature, top_p=cfg.top_p, seeds=[_seed(seed, a) for a in attempts],
                 max_rows=cfg.batch_size, engine=engine, compile=compile, overlap_prefill=overlap_prefill,
-                prefill_graphs=prefill_graphs,
+                prefill_graphs=prefill_graphs, packed_prefill=packed_prefill,
             )  # fmt: skip
             fresh = []
             for a, tokens in zip(attempts, outputs, strict=True):

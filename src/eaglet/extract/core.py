@@ -325,7 +325,11 @@ def regenerate_settings(
         unused += ("sampled_conversations",)
     if regen.sampled_from == "all":  # as before the key existed
         unused += ("sampled_from",)
-    unused += ("overlap_prefill", "prefill_graphs")  # how the engine prefills, not what it answers
+    unused += (
+        "overlap_prefill",
+        "prefill_graphs",
+        "packed_prefill",
+    )  # how the engine prefills, not what it answers
     return {k: v for k, v in dict(regen).items() if k not in without + unused} | {"seed": job.seed}
 
 
@@ -627,6 +631,7 @@ def self_prompted(
             model, tokenizer, sp, template=template, out_path=path, seed=job.seed,
             held_out=held_out, existing=existing, examples_from=pool, engine=str(rg.engine),
             compile=rg.compile, overlap_prefill=rg.overlap_prefill, prefill_graphs=rg.prefill_graphs,
+            packed_prefill=rg.packed_prefill,
         )  # fmt: skip
     prompted = SelfPrompted(prompts, path, stats, {**OmegaConf.to_container(sp), **identity})
     prompted.write_report()
@@ -674,7 +679,7 @@ def followed_up(
             model, tokenizer, sp, [c for c in answered if c.id in ids], answer=answer, template=template,
             out_path=path, seed=job.seed, max_length=job.extract.max_length,
             held_out=eval_set_prompts(job.held_out_sets), engine=str(rg.engine), compile=rg.compile,
-            overlap_prefill=rg.overlap_prefill, prefill_graphs=rg.prefill_graphs,
+            overlap_prefill=rg.overlap_prefill, prefill_graphs=rg.prefill_graphs, packed_prefill=rg.packed_prefill,
         )  # fmt: skip
     report = follow_up_report(stats)
     prompted.write_report(follow_ups=report)

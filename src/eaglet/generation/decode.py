@@ -78,13 +78,14 @@ def decode_batch(
     compile: bool = False,
     overlap_prefill: bool = False,
     prefill_graphs: bool = False,
+    packed_prefill: bool | None = None,
 ) -> list[list[int]]:
     """New token ids for each prompt, each ending at the first stop id (excluded).
 
     Greedy when temperature is 0; otherwise each prompt samples from its own stream: `seeds` (one per prompt),
     or seeded from `generator`.
-    `max_rows` rows decode at once (default: every prompt); `compile`, `overlap_prefill` and
-    `prefill_graphs` are the engine's DecodeSettings.
+    `max_rows` rows decode at once (default: every prompt); `compile`, `overlap_prefill`,
+    `prefill_graphs` and `packed_prefill` are the engine's DecodeSettings.
     """
     base = 0
     if generator is not None:
@@ -110,6 +111,7 @@ def decode_batch(
         compile=compile,
         overlap_prefill=overlap_prefill,
         prefill_graphs=prefill_graphs,
+        packed_prefill=packed_prefill,
         max_context=max((len(p) for p in prompts), default=0) + max_new_tokens,
     )
     decode_continuous(model, source, settings)

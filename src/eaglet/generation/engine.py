@@ -9,7 +9,8 @@ position: its rows of the batch are wasted arithmetic, not a branch.
 
 The host meets the device once per window of `refill_every` steps: one copy of the stop positions tells which
 rows are done; their tokens come back in one copy; requests taken ahead are prefilled into the freed slots
-(in chunks of similar lengths, written straight into their slots) and the next window is launched at once,
+(packed end to end without padding where torch's variable-length attention runs, else in chunks of similar
+lengths; written straight into their slots) and the next window is launched at once,
 with them (or, with DecodeSettings.overlap_prefill, the window is launched first and the prefills queued
 behind it, so that the host's work on them overlaps the GPU's decoding; with DecodeSettings.prefill_graphs,
 each prefill chunk is padded to a bucket shape and replayed from that shape's CUDA graph,
@@ -31,10 +32,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
+from eaglet.generation.packed_attention import varlen_applies
 from eaglet.generation.prefill_graphs import GraphedPrefill
 from eaglet.generation.sampling import pick_next
-from eaglet.generation.static_model import SlotDecoder
-from eaglet.generation.work import DecodeSettings, Request, WorkSource, prefill_chunks
+from eaglet.generation.static_model import PackedPrompts, SlotDecoder
+from eaglet.generation.work import DecodeSettings, Request, WorkSource, packed_chunks, prefill_chunks
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +118,14 @@ class _Engine:
         self.decoder = SlotDecoder(model, slots=self.slots, capacity=self.capacity, spare=spare)
         self.forward = self.decoder.step
         self.prefill = self.decoder.prefill
+        self.prefill_packed = self.decoder.prefill_packed
+        self.packed = settings.packed_prefill
+        if self.packed is None:
+            self.packed = varlen_applies(self.decoder.keys[0])
         if settings.prefill_graphs:
             graphs = device.type == "cuda" and settings.cuda_graphs
-            self.prefill = GraphedPrefill(
-                self.decoder, scratch=self.slots, pad_id=settings.pad_id, graphs=graphs
-            )
+            bucketed = GraphedPrefill(self.decoder, scratch=self.slots, pad_id=settings.pad_id, graphs=graphs)
+            self.prefill, self.prefill_packed = bucketed, bucketed.packed
         if settings.compile and device.type == "cuda":
             self.forward = torch.compile(self.decoder.step, dynamic=False)
         long = {"dtype": torch.long, "device": device}
@@ -264,9 +269,12 @@ class _Engine:
         pairs = sorted(zip(slots, requests, strict=True), key=lambda pair: -len(pair[1].prompt))
         order = [request for _, request in pairs]
         slot_of = {id(request): slot for slot, request in pairs}
-        for chunk in prefill_chunks(order, self.settings.prefill_tokens, self._min_prefill_tokens):
-            chunk_slots = [slot_of[id(request)] for request in chunk]
-            self._prefill(chunk_slots, chunk)
+        if self.packed:
+            chunks = packed_chunks(order, self.settings.prefill_tokens)
+        else:
+            chunks = prefill_chunks(order, self.settings.prefill_tokens, self._min_prefill_tokens)
+        for chunk in chunks:
+            self._prefill([slot_of[id(request)] for request in chunk], chunk)
 
     @property
     def _min_prefill_tokens(self) -> int:
@@ -276,15 +284,20 @@ class _Engine:
         return 0 if self.device.type == "cpu" or self.settings.prefill_graphs else 16384
 
     def _prefill(self, slots: list[int], chunk: list[Request]) -> None:
-        width = max(len(request.prompt) for request in chunk)
-        pad = self.settings.pad_id
-        ids = torch.tensor(
-            [list(r.prompt) + [pad] * (width - len(r.prompt)) for r in chunk], device=self.device
-        )
         lengths = torch.tensor([len(r.prompt) for r in chunk], dtype=torch.long, device=self.device)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         seeds = torch.tensor([r.seed for r in chunk], dtype=torch.long, device=self.device)
-        logits = self.prefill(index, ids, lengths)
+        if self.packed:
+            logits = self.prefill_packed(
+                PackedPrompts.build([list(r.prompt) for r in chunk], slots, self.device)
+            )
+        else:
+            width = max(len(request.prompt) for request in chunk)
+            pad = self.settings.pad_id
+            ids = torch.tensor(
+                [list(r.prompt) + [pad] * (width - len(r.prompt)) for r in chunk], device=self.device
+            )
+            logits = self.prefill(index, ids, lengths)
         first = pick_next(
             logits,
             temperature=self.settings.temperature,

@@ -7,6 +7,10 @@ graph - captured on first use - runs the forward. Padding rows write their keys 
 that no decode step reads; padding columns are never seen by a real token (causal attention) and are
 overwritten as the slot decodes, as in the eager prefill. Without CUDA graphs (CPU) the same padded forward runs
 eagerly, so the padding is tested where graphs cannot be.
+
+`packed` does the same for prompts packed end to end (SlotDecoder.prefill_packed): the bucket is (prompts rounded
+to a power of two, tokens rounded as widths are); the padding tokens are one more prompt, in the scratch slot,
+and the padding prompts are empty.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 
 import torch
 
-from eaglet.generation.static_model import SlotDecoder
+from eaglet.generation.static_model import PackedPrompts, SlotDecoder
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,26 @@ class _Bucket:
         self.graph: torch.cuda.CUDAGraph | None = None
 
 
+class _PackedBucket:
+    """Static inputs and outputs of one packed (prompts, tokens) shape, and its graph once captured."""
+
+    def __init__(self, rows: int, tokens: int, scratch: int, capacity: int, device: torch.device) -> None:
+        long = {"dtype": torch.long, "device": device}
+        # Padding tokens at columns 0, 1, ... of the scratch slot, wrapping at its capacity.
+        self.pad_positions = torch.arange(tokens, **long) % capacity
+        self.inputs = PackedPrompts(
+            ids=torch.zeros(tokens, **long),
+            positions=self.pad_positions.clone(),
+            slots=torch.full((tokens,), scratch, **long),
+            starts=torch.full((rows + 2,), tokens, **long),
+            last=torch.zeros(rows, **long),
+            # The padding prompt can be the longest: the kernel's bound is the bucket's every token.
+            longest=tokens,
+        )
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
 class GraphedPrefill:
     """`decoder.prefill` over bucketed shapes; `graphs`: replay each shape's CUDA graph (else run it eagerly).
 
@@ -58,7 +82,7 @@ class GraphedPrefill:
 
     def __init__(self, decoder: SlotDecoder, *, scratch: int, pad_id: int, graphs: bool) -> None:
         self.decoder, self.scratch, self.pad_id, self.graphs = decoder, scratch, pad_id, graphs
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.buckets: dict[tuple, _Bucket | _PackedBucket] = {}
         self.pool = None  # one memory pool for every bucket's graph, made at the first capture
 
     def __call__(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -72,33 +96,59 @@ class GraphedPrefill:
         bucket.lengths[:rows] = lengths
         bucket.slots.fill_(self.scratch)
         bucket.slots[:rows] = slots
-        if bucket.graph is not None:
-            bucket.graph.replay()
-        else:
-            bucket.logits = self._forward(bucket)
-            if self.graphs:
-                try:
-                    self._capture(bucket)
-                except RuntimeError as error:  # the forward is right either way: run it eagerly from here on
-                    log.warning(
-                        "prefill graphs off: capturing a %s prefill failed (%s)",
-                        tuple(bucket.ids.shape),
-                        error,
-                    )
-                    self.graphs = False
+        self._run(bucket, lambda: self._forward(bucket))
         assert bucket.logits is not None
         return bucket.logits[:rows]
+
+    def packed(self, prompts: PackedPrompts) -> torch.Tensor:
+        """Logits [n, vocab] after each of `prompts`, as `SlotDecoder.prefill_packed(prompts)` gives them."""
+        rows, tokens = prompts.last.shape[0], prompts.ids.shape[0]
+        key = ("packed", bucket_rows(rows), bucket_width(tokens))
+        if key not in self.buckets:
+            self.buckets[key] = _PackedBucket(
+                key[1], key[2], self.scratch, self.decoder.capacity, prompts.ids.device
+            )
+        bucket = self.buckets[key]
+        static = bucket.inputs
+        static.ids[:tokens] = prompts.ids
+        static.ids[tokens:] = self.pad_id
+        static.positions[:tokens] = prompts.positions
+        static.positions[tokens:] = bucket.pad_positions[: key[2] - tokens]
+        static.slots[:tokens] = prompts.slots
+        static.slots[tokens:] = self.scratch
+        static.starts[: rows + 1] = prompts.starts
+        static.starts[rows + 1 :] = key[2]
+        static.last[:rows] = prompts.last
+        static.last[rows:] = 0
+        self._run(bucket, lambda: self.decoder.prefill_packed(static))
+        assert bucket.logits is not None
+        return bucket.logits[:rows]
+
+    def _run(self, bucket: _Bucket | _PackedBucket, forward) -> None:
+        """The bucket's forward into bucket.logits: its graph replayed, or run eagerly (and captured)."""
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            return
+        bucket.logits = forward()
+        if self.graphs:
+            try:
+                self._capture(bucket, forward)
+            except RuntimeError as error:  # the forward is right either way: run it eagerly from here on
+                log.warning("prefill graphs off: capturing a %s prefill failed (%s)", _shape(bucket), error)
+                self.graphs = False
 
     def _bucket(self, rows: int, width: int, device: torch.device) -> _Bucket:
         key = (rows, width)
         if key not in self.buckets:
             self.buckets[key] = _Bucket(rows, width, self.scratch, self.pad_id, device)
-        return self.buckets[key]
+        bucket = self.buckets[key]
+        assert isinstance(bucket, _Bucket)
+        return bucket
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         return self.decoder.prefill(bucket.slots, bucket.ids, bucket.lengths)
 
-    def _capture(self, bucket: _Bucket) -> None:
+    def _capture(self, bucket: _Bucket | _PackedBucket, forward) -> None:
         """Capture the bucket's forward after the eager run above (which compiled and warmed its kernels).
 
         The graph's work during capture is not run; its inputs are the bucket's static tensors, refilled before
@@ -109,7 +159,13 @@ class GraphedPrefill:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bucket)
+            logits = forward()
         # The eager run's logits are this input's answer; the replays write the captured output.
         logits.copy_(bucket.logits)
         bucket.logits, bucket.graph = logits, graph
+
+
+def _shape(bucket: _Bucket | _PackedBucket) -> tuple[int, ...]:
+    if isinstance(bucket, _PackedBucket):
+        return (bucket.inputs.last.shape[0], bucket.inputs.ids.shape[0])
+    return tuple(bucket.ids.shape)

@@ -4,7 +4,8 @@
 attention itself, so that a decode step has fixed shapes and no host work: each slot's new key and value are
 written in place at the slot's position, and attention reads each slot up to its own length
 (eaglet.generation.decode_attention). That makes the step capturable as one CUDA graph. Prompts are
-prefilled right-padded without a mask: causal attention never lets a token see the padding after it.
+prefilled right-padded without a mask (causal attention never lets a token see the padding after it), or
+packed end to end without padding (`prefill_packed`, eaglet.generation.packed_attention).
 
 Architectures: those whose decoder layer is Llama's (pre-norm attention and MLP, rotary embedding, optional
 per-head q/k norms): llama, mistral, qwen2, qwen3, without sliding-window layers. `unsupported_reason` says
@@ -13,12 +14,14 @@ why another model is not, and generation then uses the reference decoder.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from eaglet.generation.decode_attention import decode_attention
+from eaglet.generation.packed_attention import packed_attention
 from eaglet.target_model.layers import find_target_parts
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -49,6 +52,42 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if _rotary(model) is None:
         return "no rotary embedding module `rotary_emb` next to its decoder layers"
     return None
+
+
+@dataclass
+class PackedPrompts:
+    """Prompts end to end, the input of `SlotDecoder.prefill_packed`: T tokens of n prompts."""
+
+    ids: torch.Tensor  # [T] token ids
+    positions: torch.Tensor  # [T] each token's position in its prompt: its column of the cache
+    slots: torch.Tensor  # [T] the slot whose cache takes each token's keys and values
+    starts: torch.Tensor  # [n + 1] where each prompt begins, then T
+    last: torch.Tensor  # [n] each prompt's last token
+    longest: int  # no prompt is longer
+
+    @staticmethod
+    def build(prompts: list[list[int]], slots: list[int], device: torch.device) -> PackedPrompts:
+        """`prompts` packed for `slots` (one each), built on the host and moved to `device` in one copy."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        total = int(lengths.sum())
+        starts = torch.zeros(len(prompts) + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=starts[1:])
+        host = torch.empty(3 * total + 2 * len(prompts) + 1, dtype=torch.long)
+        host[:total] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        host[total : 2 * total] = torch.arange(total) - torch.repeat_interleave(starts[:-1], lengths)
+        host[2 * total : 3 * total] = torch.repeat_interleave(torch.tensor(slots), lengths)
+        host[3 * total : 3 * total + len(prompts) + 1] = starts
+        host[3 * total + len(prompts) + 1 :] = starts[1:] - 1
+        moved = host.to(device)
+        ids, positions, token_slots, rest = moved.split([total, total, total, 2 * len(prompts) + 1])
+        return PackedPrompts(
+            ids,
+            positions,
+            token_slots,
+            rest[: len(prompts) + 1],
+            rest[len(prompts) + 1 :],
+            int(lengths.max()),
+        )
 
 
 class SlotDecoder:
@@ -134,6 +173,19 @@ class SlotDecoder:
         hidden = self._layers(self.embed(ids), positions, attend)
         last = hidden[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
         return self.lm_head(self.norm(last))
+
+    def prefill_packed(self, packed: PackedPrompts) -> torch.Tensor:
+        """Logits [n, vocab] after the last token of each of `packed`'s prompts, as `prefill` gives them; each
+        token's key and value go to its slot's column at its position."""
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # [1, T, heads, D]
+            self.keys[index][packed.slots, :, packed.positions] = k[0]
+            self.values[index][packed.slots, :, packed.positions] = v[0]
+            return packed_attention(q[0], k[0], v[0], packed.starts, packed.longest, self.scale)[None]
+
+        hidden = self._layers(self.embed(packed.ids[None]), packed.positions[None], attend)
+        return self.lm_head(self.norm(hidden[0, packed.last]))
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
         """The decoder layers over hidden [N, T, hidden] at `positions` [N, T], attention by `attend`."""

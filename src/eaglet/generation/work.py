@@ -62,6 +62,24 @@ class DecodeSettings:
     # 1.5 times one) and replays that shape's CUDA graph, captured on first use, instead of launching the
     # forward's kernels one by one (eaglet.generation.prefill_graphs). Outputs are the same.
     prefill_graphs: bool = False
+    # The engine prefills prompts packed end to end, without padding (eaglet.generation.packed_attention), in
+    # forwards of up to `prefill_tokens` tokens. None: where torch's variable-length flash attention runs (CUDA,
+    # half precision); True: everywhere (elsewhere attention goes prompt by prompt); False: right-padded.
+    packed_prefill: bool | None = None
+
+
+def packed_chunks(requests: list[Request], budget: int) -> list[list[Request]]:
+    """Requests in order, in batches of at most `budget` prompt tokens (one request at least)."""
+    chunks: list[list[Request]] = []
+    tokens = 0
+    for request in requests:
+        if chunks and tokens + len(request.prompt) <= budget:
+            chunks[-1].append(request)
+            tokens += len(request.prompt)
+        else:
+            chunks.append([request])
+            tokens = len(request.prompt)
+    return chunks
 
 
 def prefill_chunks(requests: list[Request], budget: int, min_tokens: int) -> list[list[Request]]:
