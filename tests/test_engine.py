@@ -359,21 +359,69 @@ def test_on_the_gpu_packed_prefills_change_nothing() -> None:
 
 
 @cuda
+@pytest.mark.parametrize("method", ["reject", "search"])
 @pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5])
-def test_the_sampling_kernel_picks_what_the_reference_picks(top_p: float) -> None:
+@pytest.mark.parametrize("rows, vocab", [(512, 49152), (64, 777), (64, 128256)])
+def test_the_sampling_kernel_picks_what_the_reference_picks(
+    method: str, top_p: float, rows: int, vocab: int
+) -> None:
     from eaglet.generation import sampling, sampling_kernel
 
     torch.manual_seed(0)
-    rows, vocab = 512, 49152
     logits = torch.randn(rows, vocab, device="cuda") * 3  # float32: bf16 ties would blur the nucleus edge
     seeds = torch.randint(0, 2**31, (rows,), device="cuda")
     steps = torch.randint(0, 600, (rows,), device="cuda")
-    got = sampling_kernel.sample_rows(logits, temperature=0.7, top_p=top_p, seeds=seeds, steps=steps)
+    got = sampling_kernel.sample_rows(
+        logits, temperature=0.7, top_p=top_p, seeds=seeds, steps=steps, method=method
+    )
     want = sampling.pick_next(
         logits.cpu(), temperature=0.7, top_p=top_p, seeds=seeds.cpu(), steps=steps.cpu()
     )
     # Only scores equal to float32's last bits may part (exp and log are not bit-equal between libraries).
     assert (got.cpu() == want).float().mean() >= 0.99
+
+
+def test_sampling_by_an_unknown_method_is_refused() -> None:
+    from eaglet.generation import sampling_kernel
+
+    with pytest.raises(ValueError, match="unknown sampling method 'sort'.*reject, search"):
+        sampling_kernel.sample_rows(
+            torch.zeros(2, 8),
+            temperature=1.0,
+            top_p=0.9,
+            seeds=torch.zeros(2),
+            steps=torch.zeros(2),
+            method="sort",
+        )
+
+
+def test_a_rejection_kernel_that_fails_leaves_sampling_to_the_search(monkeypatch, caplog) -> None:
+    from eaglet.generation import sampling_kernel
+
+    launched = []
+
+    class Kernel:
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs) -> None:
+                launched.append(self.name)
+                if self.fails:
+                    raise RuntimeError("PassManager::run failed")
+
+            return launch
+
+    monkeypatch.setattr(sampling_kernel, "default_method", "reject")
+    monkeypatch.setattr(sampling_kernel, "_reject_kernel", Kernel("reject", fails=True), raising=False)
+    monkeypatch.setattr(sampling_kernel, "_sample_kernel", Kernel("search", fails=False), raising=False)
+    args = {"temperature": 0.7, "top_p": 0.9, "seeds": torch.zeros(2), "steps": torch.zeros(2)}
+    sampling_kernel.sample_rows(torch.zeros(2, 8), **args)
+    sampling_kernel.sample_rows(torch.zeros(2, 8), **args)
+    assert launched == ["reject", "search", "search"]
+    assert sampling_kernel.default_method == "search" and "searching the threshold instead" in caplog.text
+    with pytest.raises(RuntimeError):  # asked for by name, a failure is not hidden
+        sampling_kernel.sample_rows(torch.zeros(2, 8), method="reject", **args)
 
 
 def test_slots_fit_the_free_memory_once_cached_blocks_are_released(monkeypatch) -> None:

@@ -2,14 +2,23 @@
 
 Sorting every row of the logits to find its nucleus, and hashing a noise value per vocabulary entry in
 separate tensor operations, cost more than the rest of a small target's decode step. Here one program per
-row reads the row a few times instead: an online softmax, then a search for the nucleus threshold (a
-token is kept when the probability mass strictly above it is at most top_p, which is the sorted prefix the
-reference keeps, up to probabilities equal within float32 rounding), then the Gumbel-max pick with the same
-counter-based noise (same hash, same bits), so a row samples what the reference samples except where two
-candidates' scores agree to the last bits of float32.
+row reads the row a few times instead. A token is in the nucleus when the probability mass strictly above it
+is at most top_p (the sorted prefix the reference keeps, up to probabilities equal within float32 rounding),
+and the pick is the Gumbel-max over the nucleus with the reference's counter-based noise (same hash, same
+bits), so a row samples what the reference samples except where two candidates' scores agree to the last bits
+of float32. Two ways to find it:
+- "reject" (the default): one pass takes the online softmax and the Gumbel-max over the whole vocabulary; each
+  further pass measures the mass above the candidate and, in the same read, the Gumbel-max among the tokens more
+  probable than it. A candidate with at most top_p above it is in the nucleus, and no token of the nucleus
+  scores higher (those that do are less probable than a rejected candidate, so outside). The candidate is in
+  the nucleus about top_p of the time, so a row takes about two passes.
+- "search": the online softmax, then SPLITS thresholds a pass for PASSES passes narrowing the nucleus's edge,
+  then the pick: eleven passes, whatever the row.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -18,6 +27,8 @@ try:  # Triton ships with CUDA builds of torch
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
+
+log = logging.getLogger(__name__)
 
 # Passes of the threshold search, each cutting [low, high] into SPLITS + 1 parts: 9**9 > 2**28, past what
 # float32 resolves between 0 and the largest probability.
@@ -33,16 +44,42 @@ def kernel_applies(logits: torch.Tensor) -> bool:
     return triton is not None and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1
 
 
+METHODS = ("reject", "search")
+# The method sample_rows uses unless told: "search" from the first time "reject" fails to compile.
+default_method = "reject"
+
+
 def sample_rows(
-    logits: torch.Tensor, *, temperature: float, top_p: float, seeds: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    method: str | None = None,
 ) -> torch.Tensor:
-    """Token ids [rows] sampled as eaglet.generation.sampling.pick_next samples them (temperature > 0)."""
+    """Token ids [rows] sampled as eaglet.generation.sampling.pick_next samples them (temperature > 0), by
+    `method` (one of METHODS; None: `default_method`)."""
+    global default_method
+    chosen = method or default_method
+    if chosen not in METHODS:
+        raise ValueError(f"unknown sampling method {chosen!r}; the methods are {', '.join(METHODS)}")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    args = (logits, seeds, steps, out, vocab, logits.stride(0), float(temperature), float(top_p))
+    if chosen == "reject":
+        try:
+            _reject_kernel[(rows,)](*args, USE_TOP_P=top_p < 1.0, BLOCK=_BLOCK, num_warps=_WARPS)
+            return out
+        except Exception as error:  # a compiler that rejects its loop: the search samples the same tokens
+            if method is not None:
+                raise
+            log.warning("nucleus sampling by rejection failed (%s: %s); searching the threshold instead",
+                        type(error).__name__, error)  # fmt: skip
+            default_method = "search"
     _sample_kernel[(rows,)](
-        logits, seeds, steps, out, vocab, logits.stride(0), float(temperature), float(top_p),
-        USE_TOP_P=top_p < 1.0, PASSES=_PASSES, SPLITS=_SPLITS, BLOCK=_BLOCK, num_warps=_WARPS,
-    )  # fmt: skip
+        *args, USE_TOP_P=top_p < 1.0, PASSES=_PASSES, SPLITS=_SPLITS, BLOCK=_BLOCK, num_warps=_WARPS
+    )
     return out
 
 
@@ -73,10 +110,12 @@ if triton is not None:
             x = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
             x = tl.math.div_rn(x, temperature)
             new_best = tl.maximum(best, x)
-            total = total * tl.exp(best - new_best) + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
+            # A lane that has seen only -inf (past the vocabulary's end) keeps 0: exp(-inf - -inf) is NaN.
+            rescale = tl.where(new_best > float("-inf"), tl.exp(best - new_best), 0.0)
+            total = total * rescale + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
             best = new_best
         top = tl.max(best, 0)
-        norm = tl.sum(total * tl.exp(best - top), 0)
+        norm = tl.sum(tl.where(best > float("-inf"), total * tl.exp(best - top), 0.0), 0)
         cut = -1.0
         # The probabilities the search and the final test compare: one formula for both, so the token at the
         # nucleus edge falls on the same side of the threshold in each.
@@ -123,4 +162,67 @@ if triton is not None:
             better = block_best > pick_score
             pick = tl.where(better, start + block_pick, pick)
             pick_score = tl.where(better, block_best, pick_score)
+        tl.store(OUT + row, pick.to(tl.int64))
+
+    @triton.jit
+    def _gumbel_scores(raw, ids, temperature, stream):
+        """Each token's Gumbel-max score: its logit over the temperature plus its noise (sampling.gumbel_noise)."""
+        bits = _mix32(_mix32(stream ^ ids.to(tl.uint32)))
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (2.0**-24)
+        return tl.math.div_rn(raw, temperature) - tl.log(-tl.log(uniform))
+
+    @triton.jit
+    def _reject_kernel(
+        LOGITS, SEEDS, STEPS, OUT, vocab, stride, temperature, top_p, USE_TOP_P: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        base = LOGITS + row.to(tl.int64) * stride
+        offsets = tl.arange(0, BLOCK)
+        seed = tl.load(SEEDS + row).to(tl.uint32)
+        step = tl.load(STEPS + row).to(tl.uint32)
+        stream = _mix32(_mix32(seed) ^ step)
+        # One pass: the online softmax (largest score, sum of exp(score - largest)) and the Gumbel-max of all.
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK], tl.float32)
+        pick_score = float("-inf")
+        pick = 0
+        for start in range(0, vocab, BLOCK):
+            ids = start + offsets
+            inside = ids < vocab
+            raw = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
+            x = tl.math.div_rn(raw, temperature)
+            new_best = tl.maximum(best, x)
+            # A lane that has seen only -inf (past the vocabulary's end) keeps 0: exp(-inf - -inf) is NaN.
+            rescale = tl.where(new_best > float("-inf"), tl.exp(best - new_best), 0.0)
+            total = total * rescale + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
+            best = new_best
+            score = tl.where(inside, _gumbel_scores(raw, ids, temperature, stream), float("-inf"))
+            block_best = tl.max(score, 0)
+            better = block_best > pick_score
+            pick = tl.where(better, start + tl.argmax(score, 0), pick)
+            pick_score = tl.where(better, block_best, pick_score)
+        if USE_TOP_P:
+            top = tl.max(best, 0)
+            norm = tl.sum(tl.where(best > float("-inf"), total * tl.exp(best - top), 0.0), 0)
+            # The probabilities every comparison uses: one formula, as in the search kernel.
+            inverse = 1.0 / temperature
+            mass = top_p + 1.0
+            while mass > top_p:
+                edge = tl.exp(tl.load(base + pick).to(tl.float32) * inverse - top) / norm
+                mass = 0.0
+                next_score = float("-inf")
+                next_pick = pick
+                for start in range(0, vocab, BLOCK):
+                    ids = start + offsets
+                    inside = ids < vocab
+                    raw = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
+                    above = inside & (tl.exp(raw * inverse - top) / norm > edge)
+                    mass += tl.sum(tl.where(above, tl.exp(raw * inverse - top) / norm, 0.0), 0)
+                    score = tl.where(above, _gumbel_scores(raw, ids, temperature, stream), float("-inf"))
+                    block_best = tl.max(score, 0)
+                    better = block_best > next_score
+                    next_pick = tl.where(better, start + tl.argmax(score, 0), next_pick)
+                    next_score = tl.where(better, block_best, next_score)
+                # More than top_p above the candidate: it and every token as unlikely are outside the nucleus.
+                pick = tl.where(mass > top_p, next_pick, pick)
         tl.store(OUT + row, pick.to(tl.int64))
