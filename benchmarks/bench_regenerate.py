@@ -14,6 +14,8 @@ Every scheduler answers the same conversations (the shared ShareGPT, OpenAssista
   one (extract.regenerate.prefill_graphs=false).
 - "engine-padded-prefill", "engine-sampled-padded-prefill": the same two with the prompts of a prefill
   right-padded to a common width (extract.regenerate.packed_prefill=false) instead of packed end to end.
+- "engine-sampled-search": "engine-sampled" with the nucleus found by the threshold search instead of by
+  rejection (eaglet.generation.sampling_kernel.METHODS; the same picks).
 - "engine-overlap", "engine-sampled-overlap": the engine with the prefills queued behind each window
   (extract.regenerate.overlap_prefill=true, prefills eager).
 - "reference": the reference decoder (eaglet.generation.continuous), greedy.
@@ -48,7 +50,7 @@ from eaglet.data.conversations import Conversation, Turn, read_jsonl_conversatio
 from eaglet.data.regenerate import regenerate_conversations
 from eaglet.data.regenerated import user_turn_groups
 from eaglet.data.templating import build_prompt_ids
-from eaglet.generation import decode_batch
+from eaglet.generation import decode_batch, sampling_kernel
 from eaglet.target_model import load_target
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
@@ -236,6 +238,15 @@ def regenerate(
     return [list(c.turns) for c in out], stats.generated_tokens, stats.rows
 
 
+def sampled_by_search(model, tokenizer, conversations: list[Conversation], opts: dict):
+    """ "engine-sampled" with the sampling kernel's threshold search."""
+    before, sampling_kernel.default_method = sampling_kernel.default_method, "search"
+    try:
+        return regenerate(model, tokenizer, conversations, opts, engine="engine", sampled=True)
+    finally:
+        sampling_kernel.default_method = before
+
+
 def first_user_turns(conv: Conversation, count: int) -> Conversation:
     """`conv` up to (not including) its user turn number `count` + 1."""
     groups = user_turn_groups(conv)
@@ -286,6 +297,7 @@ SCHEDULERS = {
     "engine-sampled-padded-prefill": lambda m, t, c, o: regenerate(
         m, t, c, o, engine="engine", sampled=True, packed=False
     ),
+    "engine-sampled-search": sampled_by_search,
     "engine-overlap": lambda m, t, c, o: regenerate(m, t, c, o, engine="engine", overlap=True, graphs=False),
     "engine-sampled-overlap": lambda m, t, c, o: regenerate(
         m, t, c, o, engine="engine", sampled=True, overlap=True, graphs=False
@@ -293,8 +305,8 @@ SCHEDULERS = {
     "transformers-cb": transformers_cb,
 }
 # Rows counted in answers (several per prompt, or first turns only), not in conversations.
-SAMPLED = ("engine-sampled", "engine-sampled-eager-prefill", "engine-sampled-padded-prefill", "engine-sampled-overlap",
-           "transformers-cb")  # fmt: skip
+SAMPLED = ("engine-sampled", "engine-sampled-eager-prefill", "engine-sampled-padded-prefill", "engine-sampled-search",
+           "engine-sampled-overlap", "transformers-cb")  # fmt: skip
 
 
 @torch.inference_mode()
@@ -414,28 +426,26 @@ def main(argv: list[str]) -> None:
     print(header)
     print("\n".join(rows))
     notes = []
-    greedy = [
-        results[n][0]
-        for n in (
-            "reference",
-            "engine",
-            "engine-eager-prefill",
-            "engine-padded-prefill",
-            "engine-overlap",
-            "turn-serial",
-        )
-        if n in results
-    ]
-    if len(greedy) >= 2:
-        pairs = [
-            (a, b) for x, y in zip(greedy[0], greedy[1], strict=True) for a, b in zip(x, y, strict=False)
-        ]
-        same = sum(a == b for a, b in pairs if a.role == "assistant")
-        total = sum(a.role == "assistant" for a, _ in pairs)
-        notes.append(
-            f"Greedy answers identical between the first two greedy schedulers: {same}/{total} turns."
-        )
-        print(notes[-1])
+    greedy = (
+        "reference",
+        "engine",
+        "engine-eager-prefill",
+        "engine-padded-prefill",
+        "engine-overlap",
+        "turn-serial",
+    )
+    for kind, names in (("Greedy", greedy), ("Sampled", ("engine-sampled", "engine-sampled-search"))):
+        runs = [results[n][0] for n in names if n in results]
+        if len(runs) >= 2:
+            pairs = [
+                (a, b) for x, y in zip(runs[0], runs[1], strict=True) for a, b in zip(x, y, strict=False)
+            ]
+            same = sum(a == b for a, b in pairs if a.role == "assistant")
+            total = sum(a.role == "assistant" for a, _ in pairs)
+            notes.append(
+                f"{kind} answers identical between the first two {kind.lower()} schedulers: {same}/{total} turns."
+            )
+            print(notes[-1])
     if opts["compare"]:
         notes.append(compare_decoders(model, tokenizer, conversations, opts))
         print(notes[-1])
