@@ -198,6 +198,27 @@ def test_a_packed_prefill_gives_the_padded_prefills_logits_and_cache(bucketed: b
         assert not packed.keys[layer][slot_list[0], :, 5:].any(), "columns past a prompt were written"
 
 
+def test_a_packed_bucket_splits_its_padding_into_prompts_no_longer_than_a_slot() -> None:
+    model = tiny("llama")
+    plain = SlotDecoder(model, slots=5, capacity=8)
+    packed = SlotDecoder(model, slots=5, capacity=8, spare=1)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13] * 8, [14, 15, 16, 17, 18, 19, 20, 21], [22] * 8, [23]]
+    slots = [4, 0, 1, 2, 3]
+    bucketed = GraphedPrefill(packed, scratch=5, pad_id=0, graphs=False)
+    with torch.no_grad():
+        got = bucketed.packed(PackedPrompts.build(prompts, slots, torch.device("cpu")))
+        want = plain.prefill(
+            torch.tensor(slots),
+            torch.tensor([p + [0] * (8 - len(p)) for p in prompts]),
+            torch.tensor([len(p) for p in prompts]),
+        )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    (bucket,) = bucketed.buckets.values()  # 33 tokens as 48: 15 padding tokens, as prompts of 8 and 7
+    starts = bucket.inputs.starts.tolist()
+    assert starts[:6] == [0, 8, 16, 24, 32, 33] and starts[6:8] == [41, 48] and set(starts[8:]) == {48}
+    assert bucket.inputs.longest == 8
+
+
 def test_a_prefill_graph_that_cannot_be_captured_leaves_the_prefills_eager(monkeypatch, caplog) -> None:
     model = tiny("llama")
     decoder = SlotDecoder(model, slots=2, capacity=64, spare=1)

@@ -9,8 +9,8 @@ overwritten as the slot decodes, as in the eager prefill. Without CUDA graphs (C
 eagerly, so the padding is tested where graphs cannot be.
 
 `packed` does the same for prompts packed end to end (SlotDecoder.prefill_packed): the bucket is (prompts rounded
-to a power of two, tokens rounded as widths are); the padding tokens are one more prompt, in the scratch slot,
-and the padding prompts are empty.
+to a power of two, tokens rounded as widths are); the padding tokens are more prompts, in the scratch slot, and
+the bucket's spare prompts are empty.
 """
 
 from __future__ import annotations
@@ -55,20 +55,28 @@ class _Bucket:
 
 
 class _PackedBucket:
-    """Static inputs and outputs of one packed (prompts, tokens) shape, and its graph once captured."""
+    """Static inputs and outputs of one packed (prompts, tokens) shape, and its graph once captured.
+
+    The padding tokens go to the scratch slot as prompts of at most `capacity` tokens each (a real prompt is no
+    longer): the attention kernel's grid spans the longest prompt, so one padding prompt as long as the bucket
+    would launch a block per `capacity` / 128 of its length in every prompt's row, nearly all of them idle.
+    """
 
     def __init__(self, rows: int, tokens: int, scratch: int, capacity: int, device: torch.device) -> None:
         long = {"dtype": torch.long, "device": device}
+        longest = min(tokens, capacity)
+        pads = -(-tokens // longest)  # padding prompts the bucket may need
         # Padding tokens at columns 0, 1, ... of the scratch slot, wrapping at its capacity.
         self.pad_positions = torch.arange(tokens, **long) % capacity
+        # Where the padding prompts end, after the real tokens: T + longest, T + 2 longest, ... (capped at tokens).
+        self.pad_ends = longest * torch.arange(1, rows + pads + 1, **long)
         self.inputs = PackedPrompts(
             ids=torch.zeros(tokens, **long),
             positions=self.pad_positions.clone(),
             slots=torch.full((tokens,), scratch, **long),
-            starts=torch.full((rows + 2,), tokens, **long),
+            starts=torch.full((rows + pads + 1,), tokens, **long),
             last=torch.zeros(rows, **long),
-            # The padding prompt can be the longest: the kernel's bound is the bucket's every token.
-            longest=tokens,
+            longest=longest,
         )
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -117,7 +125,8 @@ class GraphedPrefill:
         static.slots[:tokens] = prompts.slots
         static.slots[tokens:] = self.scratch
         static.starts[: rows + 1] = prompts.starts
-        static.starts[rows + 1 :] = key[2]
+        rest = static.starts.shape[0] - rows - 1
+        static.starts[rows + 1 :] = (bucket.pad_ends[:rest] + tokens).clamp_(max=key[2])
         static.last[:rows] = prompts.last
         static.last[rows:] = 0
         self._run(bucket, lambda: self.decoder.prefill_packed(static))
