@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from eaglet.generation.packed_attention import varlen_applies
 from eaglet.generation.prefill_graphs import GraphedPrefill
 from eaglet.generation.sampling import pick_next
 from eaglet.generation.static_model import PackedPrompts, SlotDecoder
 from eaglet.generation.work import DecodeSettings, Request, WorkSource, packed_chunks, prefill_chunks
+from eaglet.target_model.packed_attention import varlen_applies
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class _Engine:
         self.prefill_packed = self.decoder.prefill_packed
         self.packed = settings.packed_prefill
         if self.packed is None:
-            self.packed = varlen_applies(self.decoder.keys[0])
+            self.packed = varlen_applies(device, self.decoder.keys[0].dtype, self.decoder.head_dim)
         if settings.prefill_graphs:
             graphs = device.type == "cuda" and settings.cuda_graphs
             bucketed = GraphedPrefill(self.decoder, scratch=self.slots, pad_id=settings.pad_id, graphs=graphs)

@@ -92,7 +92,7 @@ def packed_attention(
             "extract hidden states and train from shards (trainer.features=shards)"
         )
     if _BOUNDS in kwargs:
-        return _per_document(query, key, value, kwargs[_BOUNDS], scaling), None
+        return per_document_attention(query, key, value, kwargs[_BOUNDS], scaling), None
     if _BOUNDS_TENSOR in kwargs:
         return _per_document_read_here(query, key, value, kwargs[_BOUNDS_TENSOR], scaling), None
     if _CU_SEQLENS not in kwargs:
@@ -100,17 +100,18 @@ def packed_attention(
             f"attention implementation {PACKED_ATTENTION!r} needs a packed row's boundaries: pass "
             "packed_forward_kwargs(...) to the model's forward"
         )
-    out = _causal_varlen(
+    out = causal_varlen(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         kwargs[_CU_SEQLENS], kwargs[_MAX_SEQLEN], scaling,
     )  # fmt: skip
     return out.unsqueeze(0), None
 
 
-def _per_document(
+def per_document_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scale: float | None
 ) -> torch.Tensor:
-    """SDPA over each document [a, b) of `bounds` on its own, causal: [1, H, T, D] in, [1, T, Hq, Dv] out."""
+    """SDPA over each document [a, b) of `bounds` on its own, causal: [1, H, T, D] in, [1, T, Hq, Dv] out
+    (empty documents allowed)."""
     gqa = query.shape[1] != key.shape[1]
     documents = [
         F.scaled_dot_product_attention(
@@ -126,7 +127,7 @@ def _per_document_read_here(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """`_per_document` with the boundaries read from a tensor, outside any compiled graph (a graph break)."""
-    return _per_document(query, key, value, cu.tolist(), scale)
+    return per_document_attention(query, key, value, cu.tolist(), scale)
 
 
 # Compiled layers call it as it is when their graph is traced and keep the result as a constant, rather than
@@ -141,7 +142,7 @@ def _signature(function: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(function).parameters)  # once, not in every layer of every step
 
 
-def _causal_varlen(
+def causal_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None
 ) -> torch.Tensor:
     """Causal varlen flash attention over [T, H, D] tensors, through whichever varlen_attn this torch has: 2.10
