@@ -30,3 +30,16 @@ def parse_bench_options(
         else:
             overrides.append(arg)
     return opts, overrides
+
+
+def cuda_milliseconds(fn, replays: int) -> float:
+    """Mean time of `fn` over `replays` calls, between CUDA events, after one call to warm up."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays

@@ -19,6 +19,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from bench_common import cuda_milliseconds  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet.generation.decode_attention import decode_attention
@@ -32,19 +33,6 @@ DEFAULTS = {"rows": "1024", "sampling": "greedy,0.7/0.95,0.7/1.0", "compile": "1
 SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 100000.0,
            "tie_word_embeddings": True, "max_position_embeddings": 8192}  # fmt: skip
-
-
-def milliseconds(fn, replays: int) -> float:
-    """Mean time of `fn` over `replays` calls, between CUDA events, after one call to warm up."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 @torch.inference_mode()
@@ -64,11 +52,11 @@ def measure(model, rows: int, temperature: float, top_p: float, opts: dict) -> t
     low, high = int(opts["min_context"]), int(opts["max_context"])
     contexts = torch.randint(low, high, (rows,), device="cuda")
     engine.positions.copy_(contexts)  # inactive rows: every step reads the same contexts
-    step = milliseconds(engine.graph.replay, int(opts["replays"]))
+    step = cuda_milliseconds(engine.graph.replay, int(opts["replays"]))
     query = torch.randn(rows, SMOLLM2["num_attention_heads"], SMOLLM2["head_dim"], device="cuda")
     query = query.to(torch.bfloat16)
     keys, values = engine.decoder.keys[0], engine.decoder.values[0]
-    layer = milliseconds(lambda: decode_attention(query, keys, values, contexts, 0.125), 50)
+    layer = cuda_milliseconds(lambda: decode_attention(query, keys, values, contexts, 0.125), 50)
     kv_bytes = contexts.sum().item() * SMOLLM2["num_key_value_heads"] * SMOLLM2["head_dim"] * 2 * 2
     return step, setup, kv_bytes / (layer * 1e-3) / 1e9
 

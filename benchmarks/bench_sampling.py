@@ -20,7 +20,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
-from bench_common import machine, parse_bench_options  # noqa: E402
+from bench_common import cuda_milliseconds, machine, parse_bench_options  # noqa: E402
 from hydra import compose, initialize_config_dir
 
 import eaglet.config
@@ -70,18 +70,6 @@ def rejection_picks(
     return torch.tensor(picks), tried / len(probs)
 
 
-def milliseconds(fn, replays: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 def main(argv: list[str]) -> None:
     opts, overrides = parse_bench_options(argv, DEFAULTS, paths=("methods", "source"))
     if not torch.cuda.is_available():
@@ -106,7 +94,7 @@ def main(argv: list[str]) -> None:
     steps = torch.randint(0, 600, (rows,), device="cuda")
     want = sampling.pick_next(logits.cpu().float(), temperature=temperature, top_p=top_p, seeds=seeds.cpu(),
                               steps=steps.cpu())  # fmt: skip
-    greedy = milliseconds(lambda: logits.argmax(dim=-1), opts["replays"])
+    greedy = cuda_milliseconds(lambda: logits.argmax(dim=-1), opts["replays"])
     lines = []
     for method in opts["methods"].split(","):
 
@@ -115,7 +103,7 @@ def main(argv: list[str]) -> None:
                 logits, temperature=temperature, top_p=top_p, seeds=seeds, steps=steps, method=method
             )
 
-        ms = milliseconds(run, opts["replays"])
+        ms = cuda_milliseconds(run, opts["replays"])
         equal = (run().cpu() == want).float().mean().item()
         tried = None
         if method == "reject":

@@ -95,6 +95,28 @@ if triton is not None:
         return x ^ (x >> 15)
 
     @triton.jit
+    def _softmax_step(best, total, x):
+        """The online softmax's largest score and sum of exp(score - largest), per lane, after scores `x`."""
+        new_best = tl.maximum(best, x)
+        # A lane that has seen only -inf (past the vocabulary's end) keeps 0: exp(-inf - -inf) is NaN.
+        rescale = tl.where(new_best > float("-inf"), tl.exp(best - new_best), 0.0)
+        return new_best, total * rescale + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
+
+    @triton.jit
+    def _row_stream(SEEDS, STEPS, row):
+        """The row's noise stream: sampling.gumbel_noise's hash of its (seed, step)."""
+        seed = tl.load(SEEDS + row).to(tl.uint32)
+        step = tl.load(STEPS + row).to(tl.uint32)
+        return _mix32(_mix32(seed) ^ step)
+
+    @triton.jit
+    def _gumbel_scores(raw, ids, temperature, stream):
+        """Each token's Gumbel-max score: its logit over the temperature plus its noise (sampling.gumbel_noise)."""
+        bits = _mix32(_mix32(stream ^ ids.to(tl.uint32)))
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (2.0**-24)
+        return tl.math.div_rn(raw, temperature) - tl.log(-tl.log(uniform))
+
+    @triton.jit
     def _sample_kernel(
         LOGITS, SEEDS, STEPS, OUT, vocab, stride, temperature, top_p,
         USE_TOP_P: tl.constexpr, PASSES: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -107,13 +129,8 @@ if triton is not None:
         total = tl.zeros([BLOCK], tl.float32)
         for start in range(0, vocab, BLOCK):
             ids = start + offsets
-            x = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
-            x = tl.math.div_rn(x, temperature)
-            new_best = tl.maximum(best, x)
-            # A lane that has seen only -inf (past the vocabulary's end) keeps 0: exp(-inf - -inf) is NaN.
-            rescale = tl.where(new_best > float("-inf"), tl.exp(best - new_best), 0.0)
-            total = total * rescale + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
-            best = new_best
+            raw = tl.load(base + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+            best, total = _softmax_step(best, total, tl.math.div_rn(raw, temperature))
         top = tl.max(best, 0)
         norm = tl.sum(tl.where(best > float("-inf"), total * tl.exp(best - top), 0.0), 0)
         cut = -1.0
@@ -142,19 +159,14 @@ if triton is not None:
                 high = low + width * (above + 1).to(tl.float32)
                 low = new_low
             cut = low
-        seed = tl.load(SEEDS + row).to(tl.uint32)
-        step = tl.load(STEPS + row).to(tl.uint32)
-        stream = _mix32(_mix32(seed) ^ step)
+        stream = _row_stream(SEEDS, STEPS, row)
         pick_score = float("-inf")
         pick = 0
         for start in range(0, vocab, BLOCK):
             ids = start + offsets
             inside = ids < vocab
             raw = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
-            x = tl.math.div_rn(raw, temperature)
-            bits = _mix32(_mix32(stream ^ ids.to(tl.uint32)))
-            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (2.0**-24)
-            score = x - tl.log(-tl.log(uniform))
+            score = _gumbel_scores(raw, ids, temperature, stream)
             kept = inside & (tl.exp(raw * inverse - top) / norm > cut)
             score = tl.where(kept, score, float("-inf"))
             block_best = tl.max(score, 0)
@@ -165,22 +177,13 @@ if triton is not None:
         tl.store(OUT + row, pick.to(tl.int64))
 
     @triton.jit
-    def _gumbel_scores(raw, ids, temperature, stream):
-        """Each token's Gumbel-max score: its logit over the temperature plus its noise (sampling.gumbel_noise)."""
-        bits = _mix32(_mix32(stream ^ ids.to(tl.uint32)))
-        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (2.0**-24)
-        return tl.math.div_rn(raw, temperature) - tl.log(-tl.log(uniform))
-
-    @triton.jit
     def _reject_kernel(
         LOGITS, SEEDS, STEPS, OUT, vocab, stride, temperature, top_p, USE_TOP_P: tl.constexpr, BLOCK: tl.constexpr
     ):  # fmt: skip
         row = tl.program_id(0)
         base = LOGITS + row.to(tl.int64) * stride
         offsets = tl.arange(0, BLOCK)
-        seed = tl.load(SEEDS + row).to(tl.uint32)
-        step = tl.load(STEPS + row).to(tl.uint32)
-        stream = _mix32(_mix32(seed) ^ step)
+        stream = _row_stream(SEEDS, STEPS, row)
         # One pass: the online softmax (largest score, sum of exp(score - largest)) and the Gumbel-max of all.
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
@@ -190,12 +193,7 @@ if triton is not None:
             ids = start + offsets
             inside = ids < vocab
             raw = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
-            x = tl.math.div_rn(raw, temperature)
-            new_best = tl.maximum(best, x)
-            # A lane that has seen only -inf (past the vocabulary's end) keeps 0: exp(-inf - -inf) is NaN.
-            rescale = tl.where(new_best > float("-inf"), tl.exp(best - new_best), 0.0)
-            total = total * rescale + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
-            best = new_best
+            best, total = _softmax_step(best, total, tl.math.div_rn(raw, temperature))
             score = tl.where(inside, _gumbel_scores(raw, ids, temperature, stream), float("-inf"))
             block_best = tl.max(score, 0)
             better = block_best > pick_score
