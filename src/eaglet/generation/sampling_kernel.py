@@ -103,6 +103,13 @@ if triton is not None:
         return new_best, total * rescale + tl.where(x > float("-inf"), tl.exp(x - new_best), 0.0)
 
     @triton.jit
+    def _argmax_step(score, start, pick, pick_score):
+        """The running argmax (first index on ties) after the block of `score` that begins at `start`."""
+        block_best = tl.max(score, 0)
+        better = block_best > pick_score
+        return tl.where(better, start + tl.argmax(score, 0), pick), tl.where(better, block_best, pick_score)
+
+    @triton.jit
     def _row_stream(SEEDS, STEPS, row):
         """The row's noise stream: sampling.gumbel_noise's hash of its (seed, step)."""
         seed = tl.load(SEEDS + row).to(tl.uint32)
@@ -169,11 +176,7 @@ if triton is not None:
             score = _gumbel_scores(raw, ids, temperature, stream)
             kept = inside & (tl.exp(raw * inverse - top) / norm > cut)
             score = tl.where(kept, score, float("-inf"))
-            block_best = tl.max(score, 0)
-            block_pick = tl.argmax(score, 0)
-            better = block_best > pick_score
-            pick = tl.where(better, start + block_pick, pick)
-            pick_score = tl.where(better, block_best, pick_score)
+            pick, pick_score = _argmax_step(score, start, pick, pick_score)
         tl.store(OUT + row, pick.to(tl.int64))
 
     @triton.jit
@@ -195,10 +198,7 @@ if triton is not None:
             raw = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
             best, total = _softmax_step(best, total, tl.math.div_rn(raw, temperature))
             score = tl.where(inside, _gumbel_scores(raw, ids, temperature, stream), float("-inf"))
-            block_best = tl.max(score, 0)
-            better = block_best > pick_score
-            pick = tl.where(better, start + tl.argmax(score, 0), pick)
-            pick_score = tl.where(better, block_best, pick_score)
+            pick, pick_score = _argmax_step(score, start, pick, pick_score)
         if USE_TOP_P:
             top = tl.max(best, 0)
             norm = tl.sum(tl.where(best > float("-inf"), total * tl.exp(best - top), 0.0), 0)
@@ -217,10 +217,7 @@ if triton is not None:
                     above = inside & (tl.exp(raw * inverse - top) / norm > edge)
                     mass += tl.sum(tl.where(above, tl.exp(raw * inverse - top) / norm, 0.0), 0)
                     score = tl.where(above, _gumbel_scores(raw, ids, temperature, stream), float("-inf"))
-                    block_best = tl.max(score, 0)
-                    better = block_best > next_score
-                    next_pick = tl.where(better, start + tl.argmax(score, 0), next_pick)
-                    next_score = tl.where(better, block_best, next_score)
+                    next_pick, next_score = _argmax_step(score, start, next_pick, next_score)
                 # More than top_p above the candidate: it and every token as unlikely are outside the nucleus.
                 pick = tl.where(mass > top_p, next_pick, pick)
         tl.store(OUT + row, pick.to(tl.int64))
