@@ -7,6 +7,8 @@ with the plain reference, and the engine in bf16, graphs on and off, with the re
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -470,3 +472,13 @@ def test_slots_fit_the_free_memory_once_cached_blocks_are_released(monkeypatch) 
     # Fewer than one step: as many as fit.
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: free.update(bytes=50 * per_slot))
     assert engine._fit_slots(model, 1024, 100, gpu) == 40
+
+
+def test_the_engines_summary_line_starts_a_line_of_its_own_under_a_progress_bar(capsys) -> None:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=1, desc="regenerate", file=sys.stdout) as bar:
+        run(tiny("llama"), "engine")
+        bar.update(1)
+    segments = capsys.readouterr().out.replace("\r", "\n").splitlines()
+    assert any(s.startswith("generation engine: ") for s in segments)

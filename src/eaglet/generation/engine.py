@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
+from tqdm.auto import tqdm
 
 from eaglet.generation.prefill_graphs import GraphedPrefill
 from eaglet.generation.sampling import pick_next
@@ -235,7 +236,8 @@ class _Engine:
         """One line on how full the rows were: decode steps are paid for every row, busy or not."""
         if self.steps:
             share = self.kept_tokens / (self.steps * self.slots)
-            print(
+            # Through tqdm: a caller's progress bar (regeneration's) stays on its own line, this one on its own.
+            tqdm.write(
                 f"generation engine: {self.steps:,} steps of {self.slots:,} rows in {self.windows:,} windows; "
                 f"{share:.0%} of the row-steps made a kept token (the rest: free rows, tokens after a stop); "
                 f"{self.clock.line()}"
