@@ -325,11 +325,8 @@ def regenerate_settings(
         unused += ("sampled_conversations",)
     if regen.sampled_from == "all":  # as before the key existed
         unused += ("sampled_from",)
-    unused += (
-        "overlap_prefill",
-        "prefill_graphs",
-        "packed_prefill",
-    )  # how the engine prefills, not what it answers
+    # How the engine prefills, not what it answers.
+    unused += ("overlap_prefill", "prefill_graphs", "packed_prefill")
     return {k: v for k, v in dict(regen).items() if k not in without + unused} | {"seed": job.seed}
 
 

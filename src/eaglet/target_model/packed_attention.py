@@ -126,7 +126,7 @@ def per_document_attention(
 def _per_document_read_here(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
-    """`_per_document` with the boundaries read from a tensor, outside any compiled graph (a graph break)."""
+    """`per_document_attention` with the boundaries read from a tensor, outside any compiled graph (a graph break)."""
     return per_document_attention(query, key, value, cu.tolist(), scale)
 
 
