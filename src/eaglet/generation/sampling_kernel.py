@@ -118,11 +118,27 @@ if triton is not None:
         return _mix32(_mix32(seed) ^ step)
 
     @triton.jit
+    def _minus_log(u):
+        """-log(u) for u in (0, 1) to float32's precision, near u = 1 too.
+
+        tl.log may compile to the hardware's approximate log2, whose error is absolute (~1e-7): near u = 1, where
+        -log(u) is ~1e-7 itself, the Gumbel noise of the most likely winners came out percents off, and ~1% of
+        rows over a 128K vocabulary picked another token than the reference. There -log(u) = 2 atanh(z) with
+        z = v / (2 - v), v = 1 - u (exact), summed as a series to z**9: z <= 1/7 keeps it within float32's
+        rounding.
+        """
+        v = 1.0 - u
+        z = v / (2.0 - v)
+        z2 = z * z
+        series = 2.0 * z * (1.0 + z2 * (1.0 / 3.0 + z2 * (0.2 + z2 * (1.0 / 7.0 + z2 * (1.0 / 9.0)))))
+        return tl.where(v < 0.25, series, -tl.log(u))
+
+    @triton.jit
     def _gumbel_scores(raw, ids, temperature, stream):
         """Each token's Gumbel-max score: its logit over the temperature plus its noise (sampling.gumbel_noise)."""
         bits = _mix32(_mix32(stream ^ ids.to(tl.uint32)))
-        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (2.0**-24)
-        return tl.math.div_rn(raw, temperature) - tl.log(-tl.log(uniform))
+        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (2.0**-23)
+        return tl.math.div_rn(raw, temperature) - tl.log(_minus_log(uniform))
 
     @triton.jit
     def _sample_kernel(
