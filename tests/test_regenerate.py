@@ -366,6 +366,29 @@ def test_sampling_follows_the_nucleus_distribution() -> None:
     assert abs((again != first).float().mean() - (1 - (probs**2).sum())) < 0.02
 
 
+def test_the_noise_is_finite_for_every_hash_value() -> None:
+    import torch
+
+    from eaglet.generation.sampling import uniform_from_bits
+
+    bits = torch.tensor([0, 1, 2**31, 2**32 - 2**9, 2**32 - 1], dtype=torch.long)
+    uniform = uniform_from_bits(bits)
+    assert (uniform > 0).all() and (uniform < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(uniform))).all()
+
+
+def test_no_noise_brings_a_token_outside_the_nucleus_back(monkeypatch) -> None:
+    import torch
+
+    from eaglet.generation import sampling
+
+    logits = torch.tensor([[4.0, 3.0, -20.0, -20.0]]).log_softmax(-1)
+    noise = torch.tensor([[0.0, 0.0, float("inf"), 0.0]])  # the largest noise on a token of mass ~1e-10
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda seeds, steps, vocab: noise)
+    one = torch.zeros(1, dtype=torch.long)
+    assert sampling.pick_next(logits, temperature=1.0, top_p=0.9, seeds=one, steps=one).item() in (0, 1)
+
+
 def test_bad_scheduler_settings_are_reported(target, tmp_path: Path) -> None:
     from eaglet.errors import ConfigError
 

@@ -31,12 +31,16 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     """Gumbel(0, 1) noise [rows, vocab], a pure function of each row's (seed, step) and the vocabulary id."""
     row = _mix32(_mix32(seeds & _MASK32) ^ (steps & _MASK32))
     ids = torch.arange(vocab, device=seeds.device)
-    bits = _mix32(_mix32(row[:, None] ^ ids))
-    # 23 random bits give a uniform in (0, 1) that float32 holds exactly. With 24, (k + 0.5) needs 25 bits: the
-    # largest k rounded to u = 1, infinite noise, and a token drawn whatever its probability (0.3% of rows over a
-    # 49K vocabulary at top_p 1).
-    uniform = ((bits >> 9).float() + 0.5) * 2.0**-23
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform_from_bits(_mix32(_mix32(row[:, None] ^ ids)))))
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """A uniform in (0, 1) from 32 hashed bits: their top 23, which float32 holds exactly with the half step.
+
+    With 24 bits, (k + 0.5) needs 25: the largest k rounded to u = 1, infinite noise, and a token drawn whatever its
+    probability (on ~0.3% of rows over a 49K vocabulary, 2**-24 a token).
+    """
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
 def pick_next(
@@ -58,10 +62,14 @@ def pick_next(
             logits, temperature=temperature, top_p=top_p, seeds=seeds, steps=steps
         )
     scores = logits.float() / temperature
+    noisy = scores + gumbel_noise(seeds, steps, scores.shape[-1])
     if top_p < 1.0:
         ordered, order = scores.sort(dim=-1, descending=True)
         probs = ordered.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-        outside = probs.cumsum(dim=-1) - probs > top_p
-        scores = scores.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
-    return (scores + gumbel_noise(seeds, steps, scores.shape[-1])).argmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays). The mask goes on after
+        # the noise, so no noise value can bring a token back (-inf + inf is NaN, which argmax would pick).
+        outside = torch.zeros_like(probs, dtype=torch.bool).scatter(
+            -1, order, probs.cumsum(dim=-1) - probs > top_p
+        )
+        noisy = noisy.masked_fill(outside, float("-inf"))
+    return noisy.argmax(dim=-1)
