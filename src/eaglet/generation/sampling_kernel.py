@@ -137,7 +137,7 @@ if triton is not None:
     def _gumbel_scores(raw, ids, temperature, stream):
         """Each token's Gumbel-max score: its logit over the temperature plus its noise (sampling.gumbel_noise)."""
         bits = _mix32(_mix32(stream ^ ids.to(tl.uint32)))
-        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (2.0**-23)
+        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (2.0**-23)  # sampling.uniform_from_bits
         return tl.math.div_rn(raw, temperature) - tl.log(_minus_log(uniform))
 
     @triton.jit
