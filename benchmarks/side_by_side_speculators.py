@@ -538,7 +538,8 @@ def machine() -> str:
 def format_table(results: dict[str, Any]) -> str:
     """One markdown table: a row per eval set and proposer, training steps and wall time on the heads' rows."""
     k = results["ttt"]
-    header = ["date", "machine", "set", "prompts", "proposer", "τ", *(f"acc@{i + 1}" for i in range(k))]
+    header = ["date", "machine", "set", "prompts", "proposer", "τ", "τ 95% CI over prompts"]
+    header += [f"acc@{i + 1}" for i in range(k)]
     header += ["train steps", "train s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for set_name, entry in results["sets"].items():
@@ -546,6 +547,7 @@ def format_table(results: dict[str, Any]) -> str:
             trained = results["training"].get(proposer)
             steps, seconds = (str(trained["steps"]), f"{trained['seconds']:.1f}") if trained else ("—", "—")
             row = [str(date.today()), machine(), set_name, str(entry["prompts"]), proposer, f"{r['tau']:.2f}"]
+            row.append("{:.2f}-{:.2f}".format(*r["tau_ci95"]) if "tau_ci95" in r else "—")
             row += [f"{rate:.2f}" for rate in r["acceptance_rates"]] + [steps, seconds]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -1,7 +1,11 @@
 """The report of recipes/smollm2_scale.py: its rows' τ per held-out set beside n-gram lookup, acceptance per draft
-position, the lossless count, the ratios against the goal and what was not run, as markdown."""
+position, the lossless count, the ratios against the goal and what was not run, as markdown. Ratios and
+differences carry their 95% intervals over the prompts (eaglet.evaluate.intervals) where the evaluations kept
+their per-prompt counts: with ten prompts a set, a goal "met" by a few hundredths may not be met on others."""
 
 from __future__ import annotations
+
+from eaglet.evaluate.intervals import difference_interval, ratio_interval
 
 SET_NAMES = {"mt_bench_like": "chat", "alpaca": "instructions (Alpaca)", "code": "code", "math": "maths"}
 # τ at K = 4: at least these multiples of n-gram lookup's, per set; and of the speculators head's.
@@ -86,10 +90,13 @@ def _goal(rows: dict[str, dict], sets: list[str]) -> str:
     main = rows["main"]
     lines = ["## Against the goal\n"]
     for s in sets:
-        ratio = _tau(main, s, "eaglet") / _tau(main, s, "ngram")
+        ours = main["sets"][s]["results"]["eaglet"]
+        ratio = ours["tau"] / _tau(main, s, "ngram")
+        bounds = ours.get("ratio_ci95", {}).get("ngram")
+        interval = "" if bounds is None else f" (95% CI {bounds[0]:.2f}-{bounds[1]:.2f})"
         goal = GOAL_VS_NGRAM.get(s)
-        verdict = "" if goal is None else f" (goal ≥ {goal}×: {'met' if ratio >= goal else 'not met'})"
-        lines.append(f"- main vs n-gram lookup, {SET_NAMES.get(s, s)}: {ratio:.2f}×{verdict}")
+        verdict = "" if goal is None else f"; goal ≥ {goal}×: {verdict_against(ratio, bounds, goal)}"
+        lines.append(f"- main vs n-gram lookup, {SET_NAMES.get(s, s)}: {ratio:.2f}×{interval}{verdict}")
     spec = rows.get(SPECULATORS, {})
     if spec.get("sets"):
         beside = spec["against"]
@@ -97,6 +104,7 @@ def _goal(rows: dict[str, dict], sets: list[str]) -> str:
             if rows.get(who, {}).get("sets"):
                 ratios = ", ".join(
                     f"{SET_NAMES.get(s, s)} {_tau(rows[who], s, 'eaglet') / _tau(spec, s, 'eaglet'):.2f}×"
+                    + _speculators_bounds(rows[who], spec, s, who == beside)
                     for s in sets
                 )
                 same = " (same data and steps)" if who == beside else ""
@@ -108,6 +116,41 @@ def _goal(rows: dict[str, dict], sets: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def verdict_against(ratio: float, bounds: list[float] | None, goal: float) -> str:
+    """Met or not on these prompts, and whether the 95% interval says the same of other prompts."""
+    if bounds is None:
+        return "met" if ratio >= goal else "not met"
+    if bounds[0] >= goal:
+        return "met"
+    if bounds[1] < goal:
+        return "not met"
+    told = "met on these prompts" if ratio >= goal else "not met on these prompts"
+    return f"{told}, but the interval spans the goal (more prompts would tell)"
+
+
+def _per_prompt(row: dict, set_name: str) -> dict | None:
+    return row["sets"][set_name]["results"]["eaglet"].get("per_prompt")
+
+
+def _speculators_bounds(row: dict, spec: dict, set_name: str, beside: bool) -> str:
+    """ " (low-high)": the 95% interval of the row's τ over the speculators head's on a set; "" without
+    per-prompt counts. The row the speculators head was evaluated beside decoded the same prompts in the same
+    run (the "baseline" proposer there): resampled in pairs; any other row independently."""
+    if beside:
+        found = row["sets"][set_name]["results"]["eaglet"].get("ratio_ci95", {}).get("baseline")
+    else:
+        a, b = _per_prompt(row, set_name), _per_prompt(spec, set_name)
+        found = None if a is None or b is None else ratio_interval(a, b)
+    return "" if found is None else f" ({found[0]:.2f}-{found[1]:.2f})"
+
+
+def _difference_bounds(row: dict, other: dict, set_name: str) -> str:
+    """ " (low to high)": the 95% interval of the two rows' τ difference on a set; "" as above."""
+    a, b = _per_prompt(row, set_name), _per_prompt(other, set_name)
+    found = None if a is None or b is None else difference_interval(a, b)
+    return "" if found is None else f" ({found[0]:+.2f} to {found[1]:+.2f})"
+
+
 def _ablations(rows: dict[str, dict], sets: list[str]) -> str:
     lines = []
     for name, r in rows.items():
@@ -115,10 +158,15 @@ def _ablations(rows: dict[str, dict], sets: list[str]) -> str:
         if name == SPECULATORS or not r.get("sets") or not base.get("sets"):
             continue
         deltas = ", ".join(
-            f"{SET_NAMES.get(s, s)} {_tau(r, s, 'eaglet') - _tau(base, s, 'eaglet'):+.2f}" for s in sets
+            f"{SET_NAMES.get(s, s)} {_tau(r, s, 'eaglet') - _tau(base, s, 'eaglet'):+.2f}"
+            + _difference_bounds(r, base, s)
+            for s in sets
         )
         lines.append(f"- {name} ({r['question']}) against {r['against']}, equal tokens: Δτ {deltas}")
-    return "## Ablations\n\n" + "\n".join(lines) + "\n" if lines else ""
+    if not lines:
+        return ""
+    note = "(95% intervals over the prompts, each row's evaluation resampled on its own)"
+    return "## Ablations\n\n" + "\n".join(lines) + f"\n\n{note}\n"
 
 
 def _acceptance(rows: dict[str, dict], sets: list[str]) -> str:

@@ -150,8 +150,19 @@ def test_speculative_output_equals_greedy(target, eagle_head, k: int) -> None:
     # The n-gram proposer is right often enough here to exercise accepted blocks, with several tokens at once.
     assert results["ngram"]["accepted"] > 0 and results["ngram"]["tokens_per_forward"] > 1.0
     assert results["eagle3"]["steps"] > 0
+    for name, r in results.items():  # per-prompt counts add up to the totals; the interval holds the set's τ
+        assert len(r["per_prompt"]["accepted"]) == len(prompts)
+        assert (
+            sum(r["per_prompt"]["accepted"]) == r["accepted"] and sum(r["per_prompt"]["steps"]) == r["steps"]
+        )
+        assert r["tau_ci95"][0] <= r["tau"] <= r["tau_ci95"][1], name
+    low, high = results["eagle3"]["ratio_ci95"]["ngram"]
+    assert low <= results["eagle3"]["tau"] / results["ngram"]["tau"] <= high
     table = format_table(results)
     assert "| ngram |" in table and "| eagle3 |" in table and f"acc@{k}" in table
+    assert "tau 95% CI" in table and "x ngram (95% CI)" in table
+    eagle_row = next(line for line in table.splitlines() if line.startswith("| eagle3 |"))
+    assert f"| {results['eagle3']['tau'] / results['ngram']['tau']:.2f} ({low:.2f}-{high:.2f}) |" in eagle_row
 
 
 def test_progress_is_shown_prompt_by_prompt(target, capsys) -> None:

@@ -123,7 +123,7 @@ def test_script_trains_both_converts_and_reports(
     assert code["prompts"] == 1 and set(code["results"]) == {"eaglet", "speculators", "ngram"}
     rows = [line for line in sbs.format_table(results).splitlines() if "| code |" in line]
     assert [row.split(" | ")[4] for row in rows] == ["eaglet", "speculators", "ngram"]
-    assert all(len(row.split(" | ")) == 6 + TTT + 2 for row in rows)
+    assert all(len(row.split(" | ")) == 7 + TTT + 2 for row in rows)
     text = bench.read_text()
     assert "### Side by side with speculators" in text and "steps=2" in text
     assert "| code | 1 | speculators |" in text and "`eager` attention" in text

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglet.evaluate.acceptance import DecodeStats
+from eaglet.evaluate.intervals import tau_intervals
 from eaglet.evaluate.positions import (
     in_draft_vocab,
     position_counts,
@@ -132,17 +133,28 @@ def evaluate_prompt(
 
 
 def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[str, dict[str, Any]]:
-    """Per proposer name: tau, acceptance_rates (per draft position), tokens_per_forward, speedup (greedy
-    seconds / speculative seconds over the same prompts), the raw counts behind them, and "positions"
+    """Per proposer name: tau, its 95% interval over prompts (tau_ci95) and that of its ratio to every other
+    proposer's (ratio_ci95, resampled on the same prompts; eaglet.evaluate.intervals), acceptance_rates (per
+    draft position), tokens_per_forward, speedup (greedy seconds / speculative seconds over the same prompts),
+    the raw counts behind them (per_prompt: accepted and steps of each prompt, in order), and "positions"
     (eaglet.evaluate.positions) for the proposers scored position by position."""
     if not outcomes:
         return {}
     greedy_seconds = sum(o.greedy_seconds for o in outcomes)
+    per_prompt = {
+        name: {
+            "accepted": [o.stats[name].accepted for o in outcomes],
+            "steps": [o.stats[name].steps for o in outcomes],
+        }
+        for name in outcomes[0].stats
+    }
+    intervals = tau_intervals(per_prompt)
     results: dict[str, dict[str, Any]] = {}
     for name in outcomes[0].stats:
         total = sum((o.stats[name] for o in outcomes), DecodeStats())
         results[name] = {
             "tau": total.tau,
+            **intervals[name],
             "acceptance_rates": [total.acceptance_rate(i) for i in range(num_spec_tokens)],
             "tokens_per_forward": total.tokens_per_forward,
             "speedup": greedy_seconds / total.seconds if total.seconds else 0.0,
@@ -154,6 +166,7 @@ def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[s
             "seconds": total.seconds,
             "greedy_seconds": greedy_seconds,
             "near_ties": sum(o.near_ties[name] for o in outcomes),
+            "per_prompt": per_prompt[name],
         }
         if name in outcomes[0].positions:
             right = [sum(o.positions[name][0][k] for o in outcomes) for k in range(num_spec_tokens)]
@@ -237,12 +250,16 @@ def check_lossless(
     )
 
 
-def format_table(results: dict[str, dict[str, Any]]) -> str:
-    """A markdown table: one row per proposer."""
+def format_table(results: dict[str, dict[str, Any]], reference: str = "ngram") -> str:
+    """A markdown table: one row per proposer, with τ's 95% interval over the prompts and, when `reference`
+    (n-gram lookup) is among the proposers, each τ as a multiple of its τ with that ratio's interval."""
     width = max((len(r["acceptance_rates"]) for r in results.values()), default=0)
+    against = reference if reference in results else None
     header = [
         "proposer",
         "tau",
+        "tau 95% CI",
+        *([f"x {against} (95% CI)"] if against else []),
         *(f"acc@{i + 1}" for i in range(width)),
         "tokens/forward",
         "speedup",
@@ -253,9 +270,19 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         rates = [f"{rate:.2f}" for rate in r["acceptance_rates"]] + [""] * (
             width - len(r["acceptance_rates"])
         )
-        row = [name, f"{r['tau']:.2f}", *rates, _number(r["tokens_per_forward"]), _number(r["speedup"], "x")]
+        row = [name, f"{r['tau']:.2f}", _interval(r.get("tau_ci95"))]
+        if against:
+            row.append(_ratio(r, results[against], r.get("ratio_ci95", {}).get(against)))
+        row += [*rates, _number(r["tokens_per_forward"]), _number(r["speedup"], "x")]
         lines.append("| " + " | ".join([*row, str(r["new_tokens"])]) + " |")
     return "\n".join(lines)
+
+
+def _ratio(result: dict[str, Any], reference: dict[str, Any], bounds: list[float] | None) -> str:
+    if result is reference:
+        return "1"
+    ratio = result["tau"] / reference["tau"]
+    return f"{ratio:.2f}" if bounds is None else f"{ratio:.2f} ({_interval(bounds)})"
 
 
 def format_positions(results: dict[str, dict[str, Any]]) -> str:
@@ -271,6 +298,11 @@ def format_positions(results: dict[str, dict[str, Any]]) -> str:
                 f"{p['target_top1']:.3f}; in the draft vocab {p['in_draft_vocab']:.1%}"
             )
     return "\n".join(lines)
+
+
+def _interval(bounds: list[float] | None) -> str:
+    """A 95% interval of the table; n/a where it was not measured (a server reports no per-prompt counts)."""
+    return "n/a" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
 
 
 def _number(value: float | None, unit: str = "") -> str:

@@ -17,8 +17,8 @@ def differing(result: dict[str, Any]) -> int | None:
 
 
 def eval_summary(results: dict[str, Any]) -> dict[str, float]:
-    """The results as flat W&B summary values: eval/<set>/<proposer>/{tau, acceptance_<k>, speedup,
-    tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties, and with eval.position_accuracy
+    """The results as flat W&B summary values: eval/<set>/<proposer>/{tau, tau_ci95_low, tau_ci95_high,
+    acceptance_<k>, speedup, tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties, and with eval.position_accuracy
     position_acc_<k>, position_tau_sim, target_top1 and in_draft_vocab}, eval/<set>/prompts; a value a server
     does not report (tokens per forward, say) is left out."""
     summary: dict[str, float] = {"eval/num_spec_tokens": results["num_spec_tokens"]}
@@ -28,6 +28,8 @@ def eval_summary(results: dict[str, Any]) -> dict[str, float]:
         for proposer, r in entry["results"].items():
             key = f"eval/{name}/{proposer}"
             values = {"tau": r["tau"], "speedup": r["speedup"], "tokens_per_forward": r["tokens_per_forward"]}
+            if "tau_ci95" in r:  # in process: intervals over the prompts (a server reports totals only)
+                values |= {"tau_ci95_low": r["tau_ci95"][0], "tau_ci95_high": r["tau_ci95"][1]}
             values |= {f"acceptance_{k}": rate for k, rate in enumerate(r["acceptance_rates"], start=1)}
             if (differ := differing(r)) is not None:
                 values |= {"lossless": entry["prompts"] - differ, "near_ties": differ}
@@ -43,7 +45,8 @@ def eval_summary(results: dict[str, Any]) -> dict[str, float]:
 def results_table(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """One row per prompt set and proposer, as format_table prints them."""
     width = results["num_spec_tokens"]
-    columns = ["set", "proposer", "prompts", "tau", *(f"acc@{k}" for k in range(1, width + 1))]
+    columns = ["set", "proposer", "prompts", "tau", "tau_ci95_low", "tau_ci95_high"]
+    columns += [f"acc@{k}" for k in range(1, width + 1)]
     columns += ["tokens_per_forward", "speedup", "lossless", "near_ties"]
     rows = []
     for name, entry in results["sets"].items():
@@ -51,9 +54,10 @@ def results_table(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
             rates = [*r["acceptance_rates"], *[None] * (width - len(r["acceptance_rates"]))]
             differ = differing(r)
             lossless = None if differ is None else entry["prompts"] - differ
+            low, high = r.get("tau_ci95", (None, None))
             rows.append(
-                [name, proposer, entry["prompts"], r["tau"], *rates, r["tokens_per_forward"], r["speedup"],
-                 lossless, differ]
+                [name, proposer, entry["prompts"], r["tau"], low, high, *rates, r["tokens_per_forward"],
+                 r["speedup"], lossless, differ]
             )  # fmt: skip
     return columns, rows
 
