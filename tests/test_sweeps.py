@@ -4,6 +4,7 @@ the summary (table, heatmap, recommendation, vLLM line), and both sweep files en
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,12 @@ def test_replayed_curve_ends_at_real_decoding_of_the_longest_draft_length(tiny, 
     assert curve["tau"][-1] == pytest.approx(measured["tau"]) and measured["near_ties"] == 0
     assert curve["new_tokens"] == 3 * NEW_TOKENS and measured["tau"] > 1.0
     assert "3/3" in capsys.readouterr().err  # progress per prompt
+    # Each prompt's counts per draft length: they sum to the curve's τ, which lies in its interval.
+    curves = zip(curve["per_prompt"], curve["tau"], curve["tau_ci95"], strict=True)
+    for k, (counts, tau, (low, high)) in enumerate(curves, start=1):
+        assert len(counts["accepted"]) == len(counts["steps"]) == 3
+        assert 1 + sum(counts["accepted"]) / sum(counts["steps"]) == pytest.approx(tau), k
+        assert low <= tau <= high
 
 
 class _Rendered(Exception):
@@ -262,8 +269,19 @@ def _argmax(records: dict[int, dict]) -> tuple[float, int, int]:
     return next(c for c in candidates if c[0] == top)
 
 
-def _fake_sweep(root: Path, deployment: Deployment) -> dict[int, dict]:
-    """Trial folders as a sweep leaves them: three finished, one failed, one that died without a record."""
+def _prompt_counts(tau: float, spread: float, seed: int) -> dict[str, list[int]]:
+    """Twenty prompts of 50 steps whose total gives `tau`, each prompt up to `spread` accepted tokens a step
+    above or below (drawn per trial: heads differ in which prompts they find easy)."""
+    accepted = round((tau - 1) * 1000)
+    rng = random.Random(seed)
+    counts = [accepted // 20 + round(rng.uniform(-spread, spread) * 50) for _ in range(20)]
+    counts[0] += accepted - sum(counts)
+    return {"accepted": counts, "steps": [50] * 20}
+
+
+def _fake_sweep(root: Path, deployment: Deployment, spread: float | None = None) -> dict[int, dict]:
+    """Trial folders as a sweep leaves them: three finished, one failed, one that died without a record. With
+    `spread`, the finished trials decoded twenty prompts in process and kept each prompt's counts."""
     curves = {
         0: (1, 1024, [1.40, 1.55, 1.60]),
         1: (3, 1024, [1.50, 1.90, 2.15]),
@@ -276,6 +294,8 @@ def _fake_sweep(root: Path, deployment: Deployment) -> dict[int, dict]:
             "tau": tau, "speedup": predicted_speedups(deployment, vocab, tau), "serve": deployment.to_dict(),
             "draft_dir": str(root / str(number) / "draft"),
         }  # fmt: skip
+        if spread is not None:
+            data["decode"] = {"per_prompt": [_prompt_counts(t, spread, seed=number) for t in tau]}
         written[number] = data
     written[3] = {"status": "failed", "trial": 3, "ttt_steps": 1, "draft_vocab_size": 4096,
                   "error": "OutOfMemoryError: CUDA out of memory"}  # fmt: skip
@@ -310,8 +330,35 @@ def test_summary_table_heatmap_and_recommendation(tmp_path: Path, capsys) -> Non
     )
     assert rec["vllm"] == f"vllm serve TARGET --speculative-config '{spec}'"
     assert rec["vllm"] in printed and "OutOfMemoryError" in printed and "2.200" in printed
+    # τ from validation or a server: no per-prompt counts, so no resampled measure of the pick.
+    assert rec["best_share"] is None and rec["rivals"] == [] and "resamples" not in printed
     png = tmp_path / HEATMAP_FILE
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("spread", "sure"), [(0.0, True), (0.6, False)])
+def test_the_recommendation_says_how_often_it_stays_best_over_resampled_prompts(
+    tmp_path: Path, capsys, spread: float, sure: bool
+) -> None:
+    """Trials 1 and 2 differ by 0.05 of τ: alike prompts make trial 2 best in every resample; prompts that
+    differ as much as real ones do leave the two apart in no way the summary can tell, and it says so."""
+    from eaglet.plan.configs import load_hardware, load_model
+
+    deployment = Deployment(load_model("llama3_1_8b"), load_draft("llama3_1_8b"), load_hardware("h200_x1"))
+    written = _fake_sweep(tmp_path, deployment, spread=spread)
+    assert summarize_main([str(tmp_path)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    rec = json.loads((tmp_path / SUMMARY_FILE).read_text())["recommendation"]
+    assert (rec["speedup"], rec["trial"], rec["draft_length"]) == _argmax(written)
+    rivals = {(r["trial"], r["draft_length"]): r["share"] for r in rec["rivals"]}
+    assert rec["best_share"] + sum(rivals.values()) == pytest.approx(1.0)
+    if sure:
+        assert rec["best_share"] == 1.0 and not rivals
+        assert "best in 100% of resamples of the evaluation prompts" in printed
+        assert "cannot be told apart" not in printed
+    else:
+        assert 0.3 < rec["best_share"] < 0.95 and rivals[(1, 3)] > 0.05
+        assert "they cannot be told apart" in printed and "trial 1 at 3 draft tokens in" in printed
 
 
 def test_the_summary_goes_to_the_sweeps_wandb_run(tmp_path: Path, fake_wandb) -> None:

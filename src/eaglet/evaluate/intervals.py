@@ -22,7 +22,7 @@ TAILS = (0.025, 0.975)  # 95% intervals
 PerPrompt = Mapping[str, Sequence[int]]
 
 
-def _draws(prompts: int, samples: int, seed: int) -> np.ndarray:
+def prompt_draws(prompts: int, samples: int = SAMPLES, seed: int = 0) -> np.ndarray:
     """[samples, prompts]: how many times each prompt is drawn in each resample."""
     picks = np.random.default_rng(seed).integers(0, prompts, size=(samples, prompts))
     counts = np.zeros((samples, prompts))
@@ -30,7 +30,8 @@ def _draws(prompts: int, samples: int, seed: int) -> np.ndarray:
     return counts
 
 
-def _resampled_taus(counts: np.ndarray, per_prompt: PerPrompt) -> np.ndarray:
+def resampled_taus(counts: np.ndarray, per_prompt: PerPrompt) -> np.ndarray:
+    """[samples]: τ of each resample of `prompt_draws`."""
     accepted = counts @ np.asarray(per_prompt["accepted"], dtype=float)
     steps = counts @ np.asarray(per_prompt["steps"], dtype=float)
     return 1.0 + np.divide(accepted, steps, out=np.zeros_like(accepted), where=steps > 0)
@@ -61,8 +62,8 @@ def tau_intervals(
         _check(name, per_prompt, prompts)
     if prompts == 0:
         return {}
-    counts = _draws(prompts, samples, seed)
-    taus = {name: _resampled_taus(counts, per_prompt) for name, per_prompt in per_proposer.items()}
+    counts = prompt_draws(prompts, samples, seed)
+    taus = {name: resampled_taus(counts, per_prompt) for name, per_prompt in per_proposer.items()}
     return {
         name: {
             "tau_ci95": _interval(tau),
@@ -95,6 +96,6 @@ def _independent_taus(
     if not len(a["accepted"]) or not len(b["accepted"]):
         return None
     return (
-        _resampled_taus(_draws(len(a["accepted"]), samples, seed), a),
-        _resampled_taus(_draws(len(b["accepted"]), samples, seed + 1), b),
+        resampled_taus(prompt_draws(len(a["accepted"]), samples, seed), a),
+        resampled_taus(prompt_draws(len(b["accepted"]), samples, seed + 1), b),
     )

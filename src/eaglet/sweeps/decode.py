@@ -19,12 +19,13 @@ from eaglet.config.schema import EagletConfig
 from eaglet.data.templating import chat_template_variables, resolve_chat_template
 from eaglet.errors import DataError
 from eaglet.evaluate.acceptance import DecodeStats
+from eaglet.evaluate.intervals import tau_intervals
 from eaglet.evaluate.metrics import check_lossless
 from eaglet.evaluate.prompts import load_prompt_set, training_prompts
 from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
 from eaglet.evaluate.speculative import greedy_decode, speculative_decode
 from eaglet.formats.reader import load_eagle_draft
-from eaglet.sweeps.replay import replay_all, trace_prompt
+from eaglet.sweeps.replay import replay_per_prompt, trace_prompt
 from eaglet.target_model import LoadedTarget, load_target
 
 
@@ -72,7 +73,8 @@ def replayed_curve(
     tie_tolerance: float,
     stop_ids: Collection[int],
 ) -> dict[str, Any]:
-    """τ, acceptance and tokens per forward at draft lengths 1..k_max by replay, and real decoding at k_max."""
+    """τ (with its 95% interval over the prompts), acceptance and tokens per forward at draft lengths 1..k_max by
+    replay, each prompt's counts ("per_prompt", per draft length), and real decoding at k_max."""
     if target.device.type == "cuda":  # first calls pay for lazy initialisation: keep them out of the timings
         greedy_decode(target, prompts[0], 2, stop_ids)
     traces, measured, near_ties = [], DecodeStats(), 0
@@ -100,11 +102,18 @@ def replayed_curve(
         )
         traces.append(trace)
         measured = measured + stats
-    totals = replay_all(traces, k_max, max_new_tokens)
+    per_prompt = replay_per_prompt(traces, k_max, max_new_tokens)
+    totals = [sum(stats, DecodeStats.for_draft_length(k)) for k, stats in enumerate(per_prompt, start=1)]
+    # Per draft length, each prompt's counts: the sweep's summary resamples prompts to say how sure its pick is.
+    counts = [
+        {"accepted": [s.accepted for s in stats], "steps": [s.steps for s in stats]} for stats in per_prompt
+    ]
     greedy_seconds = sum(t.greedy_seconds for t in traces)
     return {
         "new_tokens": totals[0].new_tokens,
         "tau": [t.tau for t in totals],
+        "tau_ci95": [tau_intervals({"eaglet": c})["eaglet"]["tau_ci95"] for c in counts],
+        "per_prompt": counts,
         # acceptance_rates[K-1][i]: accepted / proposed at draft position i+1 when drafting K tokens.
         "acceptance_rates": [[t.acceptance_rate(i) for i in range(k)] for k, t in enumerate(totals, start=1)],
         "tokens_per_forward": [t.tokens_per_forward for t in totals],

@@ -118,12 +118,16 @@ def replay(trace: PromptTrace, k: int, max_new_tokens: int) -> DecodeStats:
     return stats
 
 
+def replay_per_prompt(
+    traces: Sequence[PromptTrace], k_max: int, max_new_tokens: int
+) -> list[list[DecodeStats]]:
+    """Each prompt's stats at each draft length: [draft length 1..k_max][prompt]."""
+    return [[replay(trace, k, max_new_tokens) for trace in traces] for k in range(1, k_max + 1)]
+
+
 def replay_all(traces: Sequence[PromptTrace], k_max: int, max_new_tokens: int) -> list[DecodeStats]:
     """Summed stats over the prompts, one DecodeStats per draft length 1..k_max."""
-    totals = []
-    for k in range(1, k_max + 1):
-        total = DecodeStats.for_draft_length(k)
-        for trace in traces:
-            total = total + replay(trace, k, max_new_tokens)
-        totals.append(total)
-    return totals
+    return [
+        sum(per_prompt, DecodeStats.for_draft_length(k))
+        for k, per_prompt in enumerate(replay_per_prompt(traces, k_max, max_new_tokens), start=1)
+    ]

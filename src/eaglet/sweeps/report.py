@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.table import Table
 
+from eaglet.evaluate.intervals import prompt_draws, resampled_taus
 from eaglet.sweeps.collect import Trial
 from eaglet.sweeps.serving import Deployment, predicted_speedups, vllm_command
 
@@ -24,6 +26,9 @@ class Row:
     folder: str
     draft_dir: str | None
     error: str
+    # Per draft length, each prompt's accepted and step counts, when τ was decoded in process (not from
+    # validation or a server): what `best_shares` resamples.
+    per_prompt: list[dict[str, list[int]]] | None = None
 
     @property
     def best_draft_length(self) -> int | None:
@@ -37,6 +42,10 @@ class Recommendation:
     tau: float
     speedup: float
     command: str
+    # How often this setting stays the best when the prompts are resampled, and the settings that win the
+    # rest of the time: (trial, draft length, share). None when the trials' τ cannot be resampled.
+    best_share: float | None = None
+    rivals: list[tuple[int | None, int, float]] = field(default_factory=list)
 
 
 def build_rows(trials: list[Trial], deployment: Deployment) -> list[Row]:
@@ -56,6 +65,7 @@ def build_rows(trials: list[Trial], deployment: Deployment) -> list[Row]:
                 folder=str(t.folder),
                 draft_dir=d.get("draft_dir"),
                 error=t.error,
+                per_prompt=(d.get("decode") or {}).get("per_prompt") if t.ok else None,
             )
         )
     return rows
@@ -68,13 +78,51 @@ def recommend(rows: list[Row], deployment: Deployment) -> Recommendation | None:
         return None
     speedup, row, k = max(candidates, key=lambda c: c[0])
     command = vllm_command(row.draft_dir or f"{row.folder}/draft", k, deployment.tensor_parallel_size)
-    return Recommendation(row=row, draft_length=k, tau=row.tau[k - 1], speedup=speedup, command=command)
+    rec = Recommendation(row=row, draft_length=k, tau=row.tau[k - 1], speedup=speedup, command=command)
+    shares = best_shares(rows)
+    if shares is not None:
+        rec.best_share = shares.pop((id(row), k), 0.0)
+        by_id = {id(r): r for r in rows}
+        rec.rivals = sorted(
+            ((by_id[key].trial, length, share) for (key, length), share in shares.items()),
+            key=lambda rival: -rival[2],
+        )
+    return rec
+
+
+def best_shares(rows: list[Row], samples: int = 1000, seed: int = 0) -> dict[tuple[int, int], float] | None:
+    """How often each (row, draft length) predicts the highest speedup when the prompts are resampled, keyed by
+    (id(row), draft length); only those that win at least once. Every trial decoded the same prompts, so each
+    resample draws the same prompts for all. None when a finished trial has no per-prompt counts (τ from
+    validation or a server) or the trials counted different numbers of prompts."""
+    finished = [r for r in rows if r.speedup]
+    if not finished or any(r.per_prompt is None for r in finished):
+        return None
+    prompts = {len(counts["accepted"]) for r in finished for counts in r.per_prompt}
+    if len(prompts) != 1 or 0 in prompts:
+        return None
+    draws = prompt_draws(prompts.pop(), samples, seed)
+    keys, speedups = [], []
+    for row in finished:
+        for k, (tau, speedup) in enumerate(zip(row.tau, row.speedup, strict=True), start=1):
+            # The predicted step costs do not depend on τ: the speedup is τ times a rate per draft length.
+            keys.append((id(row), k))
+            speedups.append(resampled_taus(draws, row.per_prompt[k - 1]) * (speedup / tau))
+    winners = np.argmax(np.stack(speedups), axis=0)
+    counted = np.bincount(winners, minlength=len(keys))
+    return {keys[i]: float(counted[i]) / samples for i in np.flatnonzero(counted)}
 
 
 def summary_dict(rows: list[Row], rec: Recommendation | None, deployment: Deployment) -> dict[str, Any]:
     return {
         "deployment": {"model": deployment.model.name, "hardware": deployment.hardware.name},
-        "rows": [{**row.__dict__, "best_draft_length": row.best_draft_length} for row in rows],
+        "rows": [
+            {
+                **{k: v for k, v in row.__dict__.items() if k != "per_prompt"},
+                "best_draft_length": row.best_draft_length,
+            }
+            for row in rows
+        ],
         "recommendation": None
         if rec is None
         else {
@@ -86,6 +134,8 @@ def summary_dict(rows: list[Row], rec: Recommendation | None, deployment: Deploy
             "speedup": rec.speedup,
             "draft_dir": rec.row.draft_dir,
             "vllm": rec.command,
+            "best_share": rec.best_share,
+            "rivals": [{"trial": t, "draft_length": k, "share": share} for t, k, share in rec.rivals],
         },
     }
 

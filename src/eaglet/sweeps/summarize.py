@@ -84,6 +84,8 @@ def print_report(result: SweepSummary, console: Console) -> None:
             f"serve {rec.draft_length} draft tokens: τ {rec.tau:.3f}, predicted speedup {rec.speedup:.3f}x "
             f"(trial {rec.row.trial}, {rec.row.folder})"
         )
+        if rec.best_share is not None:
+            console.print(how_sure(rec))
         console.print(rec.command, soft_wrap=True, markup=False, highlight=False)
         if rec.speedup <= 1.0:
             console.print(
@@ -91,6 +93,18 @@ def print_report(result: SweepSummary, console: Console) -> None:
                 "or serve without speculation"
             )
     console.print(f"\nsummary: {result.summary_path}\nheatmap: {result.heatmap_path}")
+
+
+def how_sure(rec: Recommendation) -> str:
+    """One line: how often the recommended setting stays the best when the evaluation prompts are resampled."""
+    line = f"best in {rec.best_share:.0%} of resamples of the evaluation prompts"
+    shown = [f"trial {t} at {k} draft tokens in {share:.0%}" for t, k, share in rec.rivals if share >= 0.05]
+    if rec.best_share >= 0.95 or not shown:
+        return line
+    return (
+        f"{line}, {', '.join(shown)}: on these prompts they cannot be told apart; more prompts "
+        "(eval.prompts_per_set) would tell"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
