@@ -73,44 +73,41 @@ def build_rows(trials: list[Trial], deployment: Deployment) -> list[Row]:
 
 def recommend(rows: list[Row], deployment: Deployment) -> Recommendation | None:
     """The (trial, draft length) of the highest predicted speedup; None when no trial succeeded."""
-    candidates = [(s, row, k) for row in rows for k, s in enumerate(row.speedup, start=1)]
+    candidates = [(s, i, k) for i, row in enumerate(rows) for k, s in enumerate(row.speedup, start=1)]
     if not candidates:
         return None
-    speedup, row, k = max(candidates, key=lambda c: c[0])
+    speedup, index, k = max(candidates, key=lambda c: c[0])
+    row = rows[index]
     command = vllm_command(row.draft_dir or f"{row.folder}/draft", k, deployment.tensor_parallel_size)
     rec = Recommendation(row=row, draft_length=k, tau=row.tau[k - 1], speedup=speedup, command=command)
     shares = best_shares(rows)
     if shares is not None:
-        rec.best_share = shares.pop((id(row), k), 0.0)
-        by_id = {id(r): r for r in rows}
-        rec.rivals = sorted(
-            ((by_id[key].trial, length, share) for (key, length), share in shares.items()),
-            key=lambda rival: -rival[2],
-        )
+        rec.best_share = shares.pop((index, k), 0.0)
+        rivals = [(rows[i].trial, length, share) for (i, length), share in shares.items()]
+        rec.rivals = sorted(rivals, key=lambda rival: -rival[2])
     return rec
 
 
 def best_shares(rows: list[Row], samples: int = 1000, seed: int = 0) -> dict[tuple[int, int], float] | None:
-    """How often each (row, draft length) predicts the highest speedup when the prompts are resampled, keyed by
-    (id(row), draft length); only those that win at least once. Every trial decoded the same prompts, so each
-    resample draws the same prompts for all. None when a finished trial has no per-prompt counts (τ from
-    validation or a server) or the trials counted different numbers of prompts."""
-    finished = [r for r in rows if r.speedup]
-    if not finished or any(r.per_prompt is None for r in finished):
+    """How often each (row index, draft length) predicts the highest speedup when the prompts are resampled;
+    only those that win at least once. Every trial decoded the same prompts, so each resample draws the same
+    prompts for all. None when a finished trial has no per-prompt counts (τ from validation or a server) or
+    the trials counted different numbers of prompts."""
+    finished = [(i, r) for i, r in enumerate(rows) if r.speedup]
+    if not finished or any(r.per_prompt is None for _, r in finished):
         return None
-    prompts = {len(counts["accepted"]) for r in finished for counts in r.per_prompt}
+    prompts = {len(counts["accepted"]) for _, r in finished for counts in r.per_prompt}
     if len(prompts) != 1 or 0 in prompts:
         return None
     draws = prompt_draws(prompts.pop(), samples, seed)
     keys, speedups = [], []
-    for row in finished:
+    for i, row in finished:
         for k, (tau, speedup) in enumerate(zip(row.tau, row.speedup, strict=True), start=1):
             # The predicted step costs do not depend on τ: the speedup is τ times a rate per draft length.
-            keys.append((id(row), k))
+            keys.append((i, k))
             speedups.append(resampled_taus(draws, row.per_prompt[k - 1]) * (speedup / tau))
-    winners = np.argmax(np.stack(speedups), axis=0)
-    counted = np.bincount(winners, minlength=len(keys))
-    return {keys[i]: float(counted[i]) / samples for i in np.flatnonzero(counted)}
+    wins = np.bincount(np.argmax(np.stack(speedups), axis=0), minlength=len(keys))
+    return {keys[j]: float(wins[j]) / samples for j in np.flatnonzero(wins)}
 
 
 def summary_dict(rows: list[Row], rec: Recommendation | None, deployment: Deployment) -> dict[str, Any]:
