@@ -135,7 +135,7 @@ def _per_prompt(row: dict, set_name: str) -> dict | None:
 def _speculators_bounds(row: dict, spec: dict, set_name: str, beside: bool) -> str:
     """ " (low-high)": the 95% interval of the row's τ over the speculators head's on a set; "" without
     per-prompt counts. The row the speculators head was evaluated beside decoded the same prompts in the same
-    run (the "baseline" proposer there): resampled in pairs; any other row independently."""
+    run (the "baseline" proposer there); any other row is drawn in pairs when it named the same prompts."""
     if beside:
         found = row["sets"][set_name]["results"]["eaglet"].get("ratio_ci95", {}).get("baseline")
     else:
@@ -165,7 +165,10 @@ def _ablations(rows: dict[str, dict], sets: list[str]) -> str:
         lines.append(f"- {name} ({r['question']}) against {r['against']}, equal tokens: Δτ {deltas}")
     if not lines:
         return ""
-    note = "(95% intervals over the prompts, each row's evaluation resampled on its own)"
+    note = (
+        "(95% intervals over the prompts: drawn in pairs where both rows were evaluated on the same prompts, "
+        "else each row's evaluation on its own)"
+    )
     return "## Ablations\n\n" + "\n".join(lines) + f"\n\n{note}\n"
 
 

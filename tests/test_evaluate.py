@@ -151,7 +151,7 @@ def test_speculative_output_equals_greedy(target, eagle_head, k: int) -> None:
     assert results["ngram"]["accepted"] > 0 and results["ngram"]["tokens_per_forward"] > 1.0
     assert results["eagle3"]["steps"] > 0
     for name, r in results.items():  # per-prompt counts add up to the totals; the interval holds the set's τ
-        assert len(r["per_prompt"]["accepted"]) == len(prompts)
+        assert len(r["per_prompt"]["accepted"]) == len(set(r["per_prompt"]["prompts"])) == len(prompts)
         assert (
             sum(r["per_prompt"]["accepted"]) == r["accepted"] and sum(r["per_prompt"]["steps"]) == r["steps"]
         )

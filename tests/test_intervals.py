@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eaglet.evaluate.intervals import difference_interval, ratio_interval, tau_intervals
+from eaglet.evaluate.intervals import difference_interval, ratio_interval, same_prompts, tau_intervals
 
 
 def _loop_reference(per_proposer: dict, samples: int, seed: int) -> dict:
@@ -104,3 +104,23 @@ def test_counts_of_other_lengths_are_refused_and_empty_sets_give_nothing() -> No
         )
     assert tau_intervals({"eaglet": {"accepted": [], "steps": []}}) == {}
     assert difference_interval({"accepted": [], "steps": []}, {"accepted": [1], "steps": [1]}) is None
+
+
+def test_two_runs_on_the_same_prompts_are_drawn_in_pairs_whatever_their_order() -> None:
+    """Another run's evaluation of the same prompts (keys equal, order shuffled): its difference from this one is
+    drawn prompt by prompt, so a run against itself differs by exactly 0, and a head better on every prompt is
+    told apart where independent draws could not."""
+    counts = _counts(5, prompts=12)["eaglet"]
+    keyed = {**counts, "prompts": [f"p{i}" for i in range(12)]}
+    order = np.random.default_rng(0).permutation(12)
+    shuffled = {k: [v[i] for i in order] for k, v in keyed.items()}
+    assert same_prompts(keyed, shuffled) and not same_prompts(keyed, counts)
+    assert difference_interval(keyed, shuffled) == pytest.approx([0.0, 0.0])
+    better = {
+        **keyed,
+        "accepted": [a + max(1, s // 10) for a, s in zip(keyed["accepted"], keyed["steps"], strict=True)],
+    }
+    low, high = difference_interval(better, keyed)
+    apart_low, apart_high = difference_interval({**better, "prompts": None}, counts)
+    assert 0 < low < high and apart_low < 0 < apart_high  # paired: clearly better; apart: cannot tell
+    assert ratio_interval(keyed, shuffled) == pytest.approx([1.0, 1.0])

@@ -6,7 +6,8 @@ with replacement; each resample's τ is 1 + Σ accepted / Σ steps over the prom
 `DecodeStats.tau` counts it). Two proposers decoded the same prompts, so their ratio is resampled in pairs (the
 same prompts drawn for both): the prompts one finds easy the other mostly does too, so "the head against n-gram
 lookup" usually moves less than either τ.
-Two heads evaluated in different runs are resampled independently (`difference_interval`, `ratio_interval`).
+Two heads evaluated in different runs (`difference_interval`, `ratio_interval`) are drawn in pairs too when both
+evaluations name the same prompts (each prompt's key, a hash of its tokens), else independently.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import numpy as np
 SAMPLES = 2000
 TAILS = (0.025, 0.975)  # 95% intervals
 
-# Per prompt, in prompt order: accepted draft tokens and verification steps with a proposal.
-PerPrompt = Mapping[str, Sequence[int]]
+# Per prompt, in prompt order: accepted draft tokens, verification steps with a proposal, and (optional) "prompts",
+# each prompt's key.
+PerPrompt = Mapping[str, Sequence]
 
 
 def prompt_draws(prompts: int, samples: int = SAMPLES, seed: int = 0) -> np.ndarray:
@@ -76,25 +78,37 @@ def tau_intervals(
 def difference_interval(
     a: PerPrompt, b: PerPrompt, *, samples: int = SAMPLES, seed: int = 0
 ) -> list[float] | None:
-    """The 95% interval [low, high] of τ(a) - τ(b) for two evaluations resampled independently (other runs,
-    maybe other prompts); None when either counted no prompt."""
-    taus = _independent_taus(a, b, samples, seed)
+    """The 95% interval [low, high] of τ(a) - τ(b) for two evaluations (other runs); None when either counted no
+    prompt. Drawn in pairs when both counted the same prompts (`same_prompts`), else independently."""
+    taus = _two_runs(a, b, samples, seed)
     return None if taus is None else _interval(taus[0] - taus[1])
 
 
 def ratio_interval(
     a: PerPrompt, b: PerPrompt, *, samples: int = SAMPLES, seed: int = 0
 ) -> list[float] | None:
-    """The 95% interval of τ(a) / τ(b), resampled as `difference_interval` does."""
-    taus = _independent_taus(a, b, samples, seed)
+    """The 95% interval of τ(a) / τ(b), drawn as `difference_interval` draws."""
+    taus = _two_runs(a, b, samples, seed)
     return None if taus is None else _interval(taus[0] / taus[1])
 
 
-def _independent_taus(
-    a: PerPrompt, b: PerPrompt, samples: int, seed: int
-) -> tuple[np.ndarray, np.ndarray] | None:
+def same_prompts(a: PerPrompt, b: PerPrompt) -> bool:
+    """Whether two evaluations name the same prompts (their keys, in any order): then they can be drawn in pairs."""
+    keys_a, keys_b = a.get("prompts"), b.get("prompts")
+    return bool(keys_a) and bool(keys_b) and sorted(keys_a) == sorted(keys_b)
+
+
+def _in_key_order(per_prompt: PerPrompt) -> PerPrompt:
+    order = np.argsort(np.asarray(per_prompt["prompts"]), kind="stable")
+    return {k: np.asarray(per_prompt[k])[order] for k in ("accepted", "steps")}
+
+
+def _two_runs(a: PerPrompt, b: PerPrompt, samples: int, seed: int) -> tuple[np.ndarray, np.ndarray] | None:
     if not len(a["accepted"]) or not len(b["accepted"]):
         return None
+    if same_prompts(a, b):  # the same prompts in both: each draw takes the same prompts from both
+        draws = prompt_draws(len(a["accepted"]), samples, seed)
+        return resampled_taus(draws, _in_key_order(a)), resampled_taus(draws, _in_key_order(b))
     return (
         resampled_taus(prompt_draws(len(a["accepted"]), samples, seed), a),
         resampled_taus(prompt_draws(len(b["accepted"]), samples, seed + 1), b),

@@ -8,10 +8,12 @@ may round differently from a 1-token one); such near-ties are counted instead.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -39,6 +41,11 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def prompt_key(prompt: Sequence[int]) -> str:
+    """A short, stable name of a prompt's token ids (the same prompt, template and tokenizer give the same key)."""
+    return hashlib.sha1(np.asarray(prompt, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
 @torch.inference_mode()
 def top2_gap(target: LoadedTarget, ids: Sequence[int]) -> float:
     """The target's top-1 minus top-2 logit after `ids` (no cache): how close its greedy choice was."""
@@ -61,6 +68,8 @@ class PromptOutcome:
     target_top1: tuple[float, int] = (0.0, 0)
     # (answer tokens predicted, how many the draft vocab holds) per EAGLE proposer scored position by position.
     in_vocab: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The prompt's tokens, hashed: evaluations of other runs on the same prompts can be compared prompt by prompt.
+    prompt_key: str = ""
 
 
 def warm_up(
@@ -103,7 +112,7 @@ def evaluate_prompt(
     the greedy output (`index` names the prompt in a LosslessError). Greedy first, then the proposers, prompt by
     prompt: a load change on the machine hits all of them alike."""
     reference, greedy_seconds = greedy_decode(target, prompt, max_new_tokens, stop_ids)
-    outcome = PromptOutcome(greedy_seconds, stats={}, near_ties={})
+    outcome = PromptOutcome(greedy_seconds, stats={}, near_ties={}, prompt_key=prompt_key(prompt))
     if position_accuracy:
         tokens, aux_by_layers = [*prompt, *reference], {}
         outcome.target_top1 = target_top1(target, tokens, len(prompt))
@@ -136,7 +145,7 @@ def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[s
     """Per proposer name: tau, its 95% interval over prompts (tau_ci95) and that of its ratio to every other
     proposer's (ratio_ci95, resampled on the same prompts; eaglet.evaluate.intervals), acceptance_rates (per
     draft position), tokens_per_forward, speedup (greedy seconds / speculative seconds over the same prompts),
-    the raw counts behind them (per_prompt: accepted and steps of each prompt, in order), and "positions"
+    the raw counts behind them (per_prompt: accepted and steps of each prompt, in order, and the prompts' keys), and "positions"
     (eaglet.evaluate.positions) for the proposers scored position by position."""
     if not outcomes:
         return {}
@@ -145,6 +154,7 @@ def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[s
         name: {
             "accepted": [o.stats[name].accepted for o in outcomes],
             "steps": [o.stats[name].steps for o in outcomes],
+            "prompts": [o.prompt_key for o in outcomes],
         }
         for name in outcomes[0].stats
     }
