@@ -20,15 +20,13 @@ from eaglet.errors import DataError, EagletError
 from eaglet.evaluate.intervals import difference_interval, same_prompts
 from eaglet.run_dir import RunDir
 
-RESULTS_FILE = RunDir.RESULTS_FILE
-
 
 def read_results(where: Path) -> dict[str, Any]:
     """An evaluation's results: `where` is an eval.json or a folder holding one."""
-    path = where / RESULTS_FILE if where.is_dir() else where
+    path = RunDir(where).results_file if where.is_dir() else where
     if not path.is_file():
         raise DataError(
-            f"{where}: no {RESULTS_FILE} there; evaluate the run first (python evaluate.py eval.run={where})"
+            f"{where}: no {RunDir.RESULTS_FILE} there; evaluate the run first (python evaluate.py eval.run={where})"
         )
     try:
         return json.loads(path.read_text())

@@ -145,8 +145,8 @@ def summarize(outcomes: Sequence[PromptOutcome], num_spec_tokens: int) -> dict[s
     """Per proposer name: tau, its 95% interval over prompts (tau_ci95) and that of its ratio to every other
     proposer's (ratio_ci95, resampled on the same prompts; eaglet.evaluate.intervals), acceptance_rates (per
     draft position), tokens_per_forward, speedup (greedy seconds / speculative seconds over the same prompts),
-    the raw counts behind them (per_prompt: accepted and steps of each prompt, in order, and the prompts' keys), and "positions"
-    (eaglet.evaluate.positions) for the proposers scored position by position."""
+    the raw counts behind them (per_prompt: accepted and steps of each prompt, in order, and the prompts'
+    keys), and "positions" (eaglet.evaluate.positions) for the proposers scored position by position."""
     if not outcomes:
         return {}
     greedy_seconds = sum(o.greedy_seconds for o in outcomes)

@@ -18,9 +18,9 @@ def differing(result: dict[str, Any]) -> int | None:
 
 def eval_summary(results: dict[str, Any]) -> dict[str, float]:
     """The results as flat W&B summary values: eval/<set>/<proposer>/{tau, tau_ci95_low, tau_ci95_high,
-    acceptance_<k>, speedup, tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties, and with eval.position_accuracy
-    position_acc_<k>, position_tau_sim, target_top1 and in_draft_vocab}, eval/<set>/prompts; a value a server
-    does not report (tokens per forward, say) is left out."""
+    acceptance_<k>, speedup, tokens_per_forward, lossless (prompts decoded exactly as greedy), near_ties, and with
+    eval.position_accuracy position_acc_<k>, position_tau_sim, target_top1 and in_draft_vocab},
+    eval/<set>/prompts; a value a server does not report (tokens per forward, say) is left out."""
     summary: dict[str, float] = {"eval/num_spec_tokens": results["num_spec_tokens"]}
     for name, entry in results["sets"].items():
         summary[f"eval/{name}/prompts"] = entry["prompts"]

@@ -28,9 +28,8 @@ def summary_values(rows: list[Row], rec: Recommendation | None) -> dict[str, Any
             "sweep/best_speedup": rec.speedup,
             "sweep/vllm": rec.command,
         })  # fmt: skip
-        if (
-            rec.best_share is not None
-        ):  # τ decoded in process: how often the pick stays best over resampled prompts
+        # τ decoded in process: how often the pick stays best over resampled prompts
+        if rec.best_share is not None:
             values["sweep/best_share"] = rec.best_share
     return values
 
