@@ -79,9 +79,14 @@ def _taus(rows: dict[str, dict], sets: list[str]) -> str:
     )
     if budget := rows.get("main", {}).get("budget"):
         note += (
-            f"\nUnder the budget the main head was given {budget['seconds']:.0f} s of training when it started: "
-            f"~{budget['steps']:,} steps, {budget['epochs']:g} epochs"
-            + (" (whole epochs fit)." if budget["whole_epochs"] else " (at the planned rate).")
+            f"\nUnder the budget the main head was given {budget['seconds']:.0f} s of training when it started, its "
+            f"schedule fitted to that time at its own step rate (planned ~{budget['steps']:,} steps, "
+            f"{budget['epochs']:g} epochs"
+            + (
+                ", whole epochs, the most it may train)."
+                if budget["whole_epochs"]
+                else ", at the planned rate)."
+            )
         )
     return "\n".join(lines) + (note if prompts else "") + "\n"
 

@@ -39,9 +39,10 @@ each ~2.5 min of training and ~2 of evaluation; the data with 30K self-prompts ~
 on a bare machine) the data and the main head fit; the other rows take further sessions.
 
 `budget_s=B`: the whole recipe, over every invocation, ends within B seconds of its first start (<out>/budget.json
-holds that start): the main head trains for as many steps as the time left then allows (`train_tokens_per_s`, less
-`eval_reserve_s` for its last validation and its evaluation), at most `main_epochs` epochs, with its learning-rate
-schedule spanning those steps and trainer.max_time_s as the safety net; rows not started in time are left.
+holds that start): the main head trains for the time left then (less `eval_reserve_s` for its last validation
+and its evaluation), at most `main_epochs` epochs, its learning-rate schedule fitted to that time at the run's own
+measured step rate (trainer.fit_steps_to_time; `train_tokens_per_s` only estimates the steps for the report); rows
+not started in time are left.
 
 `main_init_from=<draft folder>`: the main head starts from a head trained before (an earlier session's main
 draft/, brought back) rather than from the target's rows (trainer.init_from): sessions of 30 minutes add their
@@ -87,9 +88,9 @@ OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "
         "main_init_from": ""}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
-# `train_tokens_per_s`: online training's rate on one H200 at the experiment's settings over the whole stage,
-# compile, validations and checkpoints included (105K measured in the recipe, experiments/BENCHMARKS.md; 136K
-# steady, which left a planned schedule 79% done at trainer.max_time_s); `eval_reserve_s`: the head's last
+# `train_tokens_per_s`: online training's rate at the experiment's settings over the whole stage, compile,
+# validations and checkpoints included (105K on an H200, 116K on an H100, experiments/BENCHMARKS.md): the main
+# head's planned steps in the report (its schedule is fitted to the time it is given); `eval_reserve_s`: the head's last
 # validation, export and evaluation; `eval_workers`: evaluation processes side by side on the GPU (eval.workers;
 # one when eval_device=cpu). `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session)
 # that the main head starts from (trainer.init_from): its steps add to that head's; "" = from the target.
@@ -225,8 +226,9 @@ class Scale:
             run.mkdir(parents=True, exist_ok=True)
             record.write_text(json.dumps(plan))
         plan = json.loads(record.read_text())
-        steps = [] if plan["whole_epochs"] else [f"trainer.max_steps={plan['steps']}"]
-        return [*steps, f"trainer.max_time_s={plan['seconds']}"]
+        # The schedule spans what the time allows at the run's own measured rate (at most main_epochs epochs):
+        # the planned steps above are an estimate for the report, not a length a slower or faster rate would miss.
+        return [f"trainer.max_time_s={plan['seconds']}", "trainer.fit_steps_to_time=true"]
 
     def store_dir(self, store: str) -> Path:
         return self.out / "tokens" / store

@@ -33,8 +33,10 @@ def driver(out: Path, cache: Path, *options: str) -> subprocess.CompletedProcess
         f"extract.self_prompt.num_prompts=3 extract.self_prompt.batch_size=8 extract.self_prompt.max_prompt_tokens=48 "
         f"extract.regenerate.max_new_tokens=16 extract.regenerate.batch_size=8 extract.regenerate.import_from=null "
         f"extract.regenerate.sampled_conversations=4 paths.data_dir={out}/data paths.cache_dir={cache} "
-        # The target eager: compiling it on the CPU costs every training row minutes (test_online checks it).
+        # The target and the head eager: compiling them on the CPU costs every training row minutes (test_online and
+        # test_ttt_reference check the compiled paths).
         "hardware.tokens_per_device=512 trainer.global_batch_tokens=512 trainer.val_fraction=0.3 trainer.online_compile=false "
+        "trainer.compile=false "
         "eval.max_new_tokens=8 eval.sets=[math] draft.vocab_size=64"
     )
     cmd = [sys.executable, str(RECIPES / "smollm2_scale.py"), f"out={out}", "eval_device=cpu", "eval_prompts=1",
@@ -187,18 +189,24 @@ def test_the_budget_sets_the_heads_length_once_and_bounds_every_invocation(recip
         json.dumps({"totals": {"tokens": 1_000_000}})
     )  # 1000 steps an epoch
     run = budgeted.run_dir("main")
-    # ~300 s left after the reserve, at one step a second: ~300 steps, the schedule spanning them.
+    # ~300 s left after the reserve: the run is given that time, its schedule fitted to it at its own rate; at the
+    # planned one step a second, ~300 steps (the report's estimate), 0.3 of the 1000-step epoch.
     first = budgeted.budgeted_length(run, "main")
-    steps = int(first[0].removeprefix("trainer.max_steps="))
-    assert 290 <= steps <= 300 and first[1].startswith("trainer.max_time_s=")
-    assert budgeted.budgeted_length(run, "main") == first  # a resumed run keeps its schedule
-    # When whole epochs fit, they decide (trainer.max_epochs), the time limit stays as the safety net.
+    seconds = float(first[0].removeprefix("trainer.max_time_s="))
+    assert 290 <= seconds <= 300 and first[1:] == ["trainer.fit_steps_to_time=true"]
+    plan = json.loads((run / recipe.BUDGET_FILE).read_text())
+    assert 290 <= plan["steps"] <= 300 and plan["whole_epochs"] is False
+    assert budgeted.budgeted_length(run, "main") == first  # a resumed run keeps its time
+    # When whole epochs fit at the planned rate, the plan says so; they are the most the run may train
+    # (trainer.max_epochs), the time and the fitted schedule the same.
     roomy = scale(budget_s="5000", out=str(tmp_path / "roomy"))
     roomy.store_dir("main").mkdir(parents=True)
     (roomy.store_dir("main") / recipe.MANIFEST_FILE).write_text(json.dumps({"totals": {"tokens": 1_000_000}}))
     assert [o.split("=")[0] for o in roomy.budgeted_length(roomy.run_dir("main"), "main")] == [
-        "trainer.max_time_s"
+        "trainer.max_time_s",
+        "trainer.fit_steps_to_time",
     ]
+    assert json.loads((roomy.run_dir("main") / recipe.BUDGET_FILE).read_text())["whole_epochs"] is True
     # No time left for the head: it is left, not started.
     late = scale(budget_s="50", out=str(tmp_path / "late"))
     with pytest.raises(DeadlineReached):

@@ -153,6 +153,16 @@ def check_trainer(tr: TrainerConfig) -> None:
             f"trainer.features=online (got {tr.features.value}), trainer.num_workers=0 (got {tr.num_workers}) and "
             f"trainer.loader_threads >= 1 (got {tr.loader_threads})"
         )
+    if tr.fit_steps_to_time and tr.max_time_s is None:
+        raise ConfigError(
+            "trainer.fit_steps_to_time=true fits the learning-rate schedule to trainer.max_time_s, which is not "
+            "set: give the run its time (trainer.max_time_s=<seconds>) or drop trainer.fit_steps_to_time"
+        )
+    if tr.fit_steps_to_time and tr.features == TrainFeatures.window:
+        raise ConfigError(
+            "trainer.fit_steps_to_time=true cannot size window training (trainer.features=window), whose length is "
+            "its rounds over the shards: use trainer.features=offline or online, or drop trainer.fit_steps_to_time"
+        )
     if tr.online_compile and tr.features != TrainFeatures.online:
         raise ConfigError(
             "trainer.online_compile=true compiles the target that online training runs: it needs "

@@ -353,6 +353,10 @@ class TrainerConfig:
     # validation, report, draft folder. A time budget's safety net: the LR schedule still spans max_steps /
     # max_epochs, so set those to what the budget should reach. null = no limit.
     max_time_s: float | None = None
+    # With max_time_s: the LR schedule's length refitted as the run goes to the steps its time allows at its own
+    # measured step rate (validations and checkpoints included), at most max_steps / max_epochs', so that the
+    # decay ends as the time does, whatever the machine's rate (eaglet.train.time_fit).
+    fit_steps_to_time: bool = False
     # Tokens per optimizer step, summed over devices and accumulation; the same on every hardware.
     global_batch_tokens: int = 8192
     val_fraction: float = 0.05

@@ -19,6 +19,8 @@ from eaglet.errors import ConfigError
 from eaglet.model.draft_head import Eagle3DraftHead
 from eaglet.train.ttt import TTTOutput, tau_sim, ttt_forward
 
+SCHEDULE_STEPS = "eaglet_schedule_steps"  # the checkpoint's key for DraftHeadModule.schedule_steps
+
 
 class DraftHeadModule(L.LightningModule):
     # Read by Lightning's ThroughputMonitor (conf/callbacks): no FLOP count here, so no MFU (the planner,
@@ -57,6 +59,8 @@ class DraftHeadModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.validated_at_step: int | None = None
+        # The LR schedule's length: total_steps unless eaglet.train.time_fit shortens it mid-run (kept in checkpoints).
+        self.schedule_steps = total_steps
         self.head = Eagle3DraftHead(
             DraftConfig(**draft),
             target_hidden_size=target_hidden_size,
@@ -205,6 +209,12 @@ class DraftHeadModule(L.LightningModule):
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[SCHEDULE_STEPS] = self.schedule_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.schedule_steps = checkpoint.get(SCHEDULE_STEPS, self.hparams.total_steps)
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         params = [p for p in self.head.parameters() if p.requires_grad]
@@ -212,13 +222,13 @@ class DraftHeadModule(L.LightningModule):
         optimizer = torch.optim.AdamW(
             params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=True
         )
-        warmup = max(1, int(hp.warmup_ratio * hp.total_steps))
 
         def schedule(step: int) -> float:
-            # Linear warmup, then cosine decay to 10% of the peak.
+            # Linear warmup, then cosine decay to 10% of the peak, both spanning the schedule's current length.
+            warmup = max(1, int(hp.warmup_ratio * self.schedule_steps))
             if step < warmup:
                 return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, hp.total_steps - warmup))
+            progress = min(1.0, (step - warmup) / max(1, self.schedule_steps - warmup))
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -39,6 +39,7 @@ from eaglet.train.hardware import TrainerPlan, check_machine, plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
 from eaglet.train.strategy import build_strategy
+from eaglet.train.time_fit import FitStepsToTime
 from eaglet.train.tracking import finish_wandb
 from eaglet.train.warm_start import check_init_from, start_from_head
 from eaglet.train.window import WindowDataModule
@@ -276,6 +277,8 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
         callbacks = extensions.callbacks
         if window_checkpoint is not None:
             callbacks = [c for c in callbacks if not isinstance(c, StepCheckpoint)] + [window_checkpoint]
+        if tr.fit_steps_to_time:
+            callbacks = [*callbacks, FitStepsToTime()]
         trainer = L.Trainer(
             accelerator=plan.accelerator,
             devices=plan.devices,
