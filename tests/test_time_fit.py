@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-import math
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +15,7 @@ from test_train import shards, train_overrides  # noqa: F401 (the module-scoped 
 from eaglet.errors import ConfigError
 from eaglet.train.module import SCHEDULE_STEPS
 from eaglet.train.run import run_training
-from eaglet.train.time_fit import FitStepsToTime, fitted_steps, timed_rate
+from eaglet.train.time_fit import RECENT_REFITS, FitStepsToTime, fitted_steps, timed_rate
 
 
 def test_the_fitted_length_is_the_steps_the_time_left_allows_at_the_timed_rate() -> None:
@@ -31,10 +31,12 @@ def test_the_fitted_length_is_the_steps_the_time_left_allows_at_the_timed_rate()
 def test_the_rate_is_the_slower_of_the_whole_and_the_recent_one() -> None:
     steady = [(10 * i, float(i)) for i in range(30)]  # 10 steps/s throughout
     assert timed_rate(steady) == pytest.approx(10.0)
-    slowed = [*steady, *[(290 + 10 * i, 29.0 + 2 * i) for i in range(1, 12)]]  # then 5 steps/s for 11 refits
+    n = RECENT_REFITS + 1
+    slowed = [*steady, *[(290 + 10 * i, 29.0 + 2 * i) for i in range(1, n + 1)]]  # then 5 steps/s, n refits
     assert timed_rate(slowed) == pytest.approx(5.0)
-    quickened = [*steady, *[(290 + 10 * i, 29.0 + 0.5 * i) for i in range(1, 12)]]  # then 20 steps/s
-    assert timed_rate(quickened) == pytest.approx((400 - 0) / (34.5 - 0))  # the whole run's, the slower
+    quickened = [*steady, *[(290 + 10 * i, 29.0 + 0.5 * i) for i in range(1, n + 1)]]  # then 20 steps/s
+    last_step, last_s = quickened[-1]
+    assert timed_rate(quickened) == pytest.approx(last_step / last_s)  # the whole run's, the slower
 
 
 class ClockTimer(Timer):
@@ -131,21 +133,48 @@ def lr_rows(run_dir: Path) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r["lr-AdamW"])) for r in rows if r.get("lr-AdamW")]
 
 
-def test_a_real_run_fitted_to_its_time_decays_to_the_floor(compose, shards: Path, tmp_path: Path) -> None:  # noqa: F811
-    """Planned for 100,000 steps, given 6 s: it stops on its own schedule's last step, at the floor learning rate,
-    and its checkpoint records the fitted length."""
+class StepClock:
+    """A Timer's two readings on a clock that moves 0.1 s per optimizer step: a real run's timing, without the
+    machine's speed in it."""
+
+    def __init__(self, trainer, limit_s: float) -> None:
+        self.trainer, self.limit_s = trainer, limit_s
+
+    def time_elapsed(self, stage: str = "train") -> float:
+        return 0.1 * self.trainer.global_step
+
+    def time_remaining(self, stage: str = "train") -> float:
+        return max(0.0, self.limit_s - self.time_elapsed())
+
+
+class FitToStepClock(FitStepsToTime):
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._timer = StepClock(trainer, limit_s=3.0)
+
+
+def test_a_real_run_fitted_to_its_time_decays_to_the_floor(
+    compose,
+    shards: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real run planned for 100,000 steps whose clock gives it 3 s at 10 steps a second: it ends on its fitted
+    schedule's last step, step 30 as the clock runs out (each refit plans 97% of the steps left, and at least one
+    more), at the cosine's floor, and its checkpoint records the length. (Lightning's own time limit, 600 s, never
+    comes; refits every 2 steps after 1.)"""
+    monkeypatch.setattr(
+        "eaglet.train.run.FitStepsToTime", partial(FitToStepClock, settle_steps=1, every_n_steps=2)
+    )
     run_dir = tmp_path / "run"
     overrides = train_overrides(
-        shards, tmp_path, "trainer.max_steps=100000", "trainer.max_time_s=6", "trainer.fit_steps_to_time=true",
+        shards, tmp_path, "trainer.max_steps=100000", "trainer.max_time_s=600", "trainer.fit_steps_to_time=true",
         "trainer.val_every_n_steps=100000", "trainer.checkpoint_every_n_steps=100000", "trainer.lr=1e-3",
     )  # fmt: skip
     summary = run_training(compose(*overrides), run_dir)
-    assert 5 < summary.steps < 100_000
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert checkpoint[SCHEDULE_STEPS] >= summary.steps
+    assert summary.steps == checkpoint[SCHEDULE_STEPS] == 30
     lrs = lr_rows(run_dir)
-    # Warm-up spans 1% of the schedule's length: of 100,000 steps until the first refit, then of the fitted
-    # length, so the run leaves it within its first refits and comes near the peak.
-    assert max(lr for _, lr in lrs) >= 0.5e-3
-    # The last step's rate is the cosine's floor (10% of the peak), or just above it had the time run out first.
-    assert lrs[-1][1] <= 0.25 * 1e-3 and not math.isnan(lrs[-1][1])
+    # Unfitted, the 100,000-step plan's warm-up (1,000 steps) would hold the rate under 3.1e-5 for all 30 steps.
+    assert max(lr for _, lr in lrs) >= 0.9e-3
+    assert lrs[-1][0] == 29 and lrs[-1][1] <= 0.11e-3  # the last step's rate: the floor, 10% of the peak

@@ -30,9 +30,10 @@ REFIT_EVERY_N_STEPS = 10
 RATE_MARGIN = 0.97
 
 
-# The recent rate is timed over this many refits (100 steps): a run that slows down (a hotter GPU, a loader
-# falling behind) is planned on its new rate rather than on its average since the start.
-RECENT_REFITS = 10
+# The recent rate is timed over this many refits (500 steps): a run that slows down (a hotter GPU, a loader
+# falling behind) is planned on its new rate rather than on its average since the start. Long enough to hold a
+# validation (every 400 steps in the scale recipe), so that one does not read as a slowdown.
+RECENT_REFITS = 50
 
 
 def fitted_steps(*, step: int, planned: int, rate: float, seconds_left: float, margin: float) -> int:
@@ -43,8 +44,8 @@ def fitted_steps(*, step: int, planned: int, rate: float, seconds_left: float, m
 
 def timed_rate(marks: Sequence[tuple[int, float]]) -> float:
     """Steps a second from (step, seconds elapsed) marks, oldest first: the slower of the rate since the first
-    mark and the rate over the last RECENT_REFITS marks (a rate that falls is believed at once, one that rises
-    over the next RECENT_REFITS refits)."""
+    mark and the rate over the last RECENT_REFITS marks: a rate that falls is believed within RECENT_REFITS
+    refits, one that rises only as the whole run's average does (the safe side: the run ends a little early)."""
 
     def rate(first: tuple[int, float], last: tuple[int, float]) -> float:
         return (last[0] - first[0]) / max(last[1] - first[1], 1e-9)
