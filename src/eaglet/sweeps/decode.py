@@ -25,7 +25,7 @@ from eaglet.evaluate.prompts import load_prompt_set, training_prompts
 from eaglet.evaluate.proposers import Eagle3Proposer, Proposer
 from eaglet.evaluate.speculative import greedy_decode, speculative_decode
 from eaglet.formats.reader import load_eagle_draft
-from eaglet.sweeps.replay import replay_per_prompt, trace_prompt
+from eaglet.sweeps.replay import replay_per_prompt, summed_per_length, trace_prompt
 from eaglet.target_model import LoadedTarget, load_target
 
 
@@ -103,7 +103,7 @@ def replayed_curve(
         traces.append(trace)
         measured = measured + stats
     per_prompt = replay_per_prompt(traces, k_max, max_new_tokens)
-    totals = [sum(stats, DecodeStats.for_draft_length(k)) for k, stats in enumerate(per_prompt, start=1)]
+    totals = summed_per_length(per_prompt)
     # Per draft length, each prompt's counts: the sweep's summary resamples prompts to say how sure its pick is.
     counts = [
         {"accepted": [s.accepted for s in stats], "steps": [s.steps for s in stats]} for stats in per_prompt

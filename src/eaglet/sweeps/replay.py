@@ -125,9 +125,11 @@ def replay_per_prompt(
     return [[replay(trace, k, max_new_tokens) for trace in traces] for k in range(1, k_max + 1)]
 
 
+def summed_per_length(per_prompt: Sequence[Sequence[DecodeStats]]) -> list[DecodeStats]:
+    """`replay_per_prompt`'s stats summed over the prompts: one DecodeStats per draft length 1..k_max."""
+    return [sum(stats, DecodeStats.for_draft_length(k)) for k, stats in enumerate(per_prompt, start=1)]
+
+
 def replay_all(traces: Sequence[PromptTrace], k_max: int, max_new_tokens: int) -> list[DecodeStats]:
     """Summed stats over the prompts, one DecodeStats per draft length 1..k_max."""
-    return [
-        sum(per_prompt, DecodeStats.for_draft_length(k))
-        for k, per_prompt in enumerate(replay_per_prompt(traces, k_max, max_new_tokens), start=1)
-    ]
+    return summed_per_length(replay_per_prompt(traces, k_max, max_new_tokens))
