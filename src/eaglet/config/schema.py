@@ -582,6 +582,22 @@ class PlanCalibrationConfig:
 
 
 @dataclass
+class PlanQualityConfig:
+    """plan.py's "what more training buys": τ of measured heads against log2 of the tokens they trained on."""
+
+    # scale.json files (recipes/smollm2_scale.py) or evaluated run folders (eval.json + report.json);
+    # empty = the section is off.
+    measured: list[str] = field(default_factory=list)
+    # Tokens a continued head (trainer.init_from) had seen before its own run, as "label=tokens" entries; the
+    # label is the run folder as given in `measured`, or <scale.json path>:<row>.
+    tokens_before: list[str] = field(default_factory=list)
+    # The goal τ of a set: goal_ratio × the baseline proposer's τ in the same evaluations.
+    goal_ratio: float = 1.5
+    proposer: str = "eaglet"
+    baseline: str = "ngram"
+
+
+@dataclass
 class PlanConfig:
     """plan.py: disk, regeneration, extraction, training and serving estimates for model x data x hardware."""
 
@@ -605,6 +621,7 @@ class PlanConfig:
     dtypes: list[FloatDtype] = field(default_factory=lambda: [FloatDtype.bfloat16, FloatDtype.float32])
     serving: PlanServingConfig = field(default_factory=PlanServingConfig)
     calibration: PlanCalibrationConfig = field(default_factory=PlanCalibrationConfig)
+    quality: PlanQualityConfig = field(default_factory=PlanQualityConfig)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -10,6 +12,7 @@ from eaglet.plan.acceptance import AcceptanceCurve
 from eaglet.plan.data_size import DataSize
 from eaglet.plan.modes import gb
 from eaglet.plan.planner import HardwarePlan, PlannedRun
+from eaglet.plan.quality import QualityFit
 from eaglet.plan.serving import pcie_allreduce_fixed_seconds
 from eaglet.plan.target_cost import dense_bits, stored_weight_bytes
 from eaglet.plan.training import calibrated_efficiency
@@ -301,18 +304,90 @@ def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
     return table
 
 
+def _tokens(n: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:,.3g}{suffix}"
+    return f"{n:,.0f}"
+
+
+def quality_table(quality: QualityFit, data: DataSize, plans: list[HardwarePlan]) -> Table:
+    """Per evaluation set: τ along the fitted line at this plan's tokens, and what a goal τ takes."""
+    k = quality.num_spec_tokens
+    planned = data.tokens * plans[0].training.epochs
+    table = Table(
+        title=(
+            f"What more training buys (τ at K={k if k is not None else ''} against log2 of tokens trained, "
+            f"{len(quality.heads)} measured heads)"
+        ),
+        caption=(
+            f"this plan trains on {_tokens(planned)} tokens ({data.tokens:,.0f} × {plans[0].training.epochs} "
+            "epoch(s)); the line extrapolates past the measured range, and it holds for the measured target "
+            "and data only"
+        ),
+    )
+    for column in (
+        "set",
+        "heads",
+        "τ measured",
+        "+τ per doubling",
+        "τ at this plan's tokens",
+        f"goal τ ({quality.goal_ratio:g} × {quality.baseline})",
+        "tokens to the goal",
+    ):
+        table.add_column(column, overflow="fold")
+    measured_rate = quality.measured_tokens_per_s
+    if measured_rate:
+        table.add_column(f"time to the goal at the heads' own rate ({_rate(measured_rate)})", overflow="fold")
+    for p in plans:
+        table.add_column(f"time to the goal, {p.hardware.name} (estimated)", overflow="fold")
+    # The heads' own rate first: the planner's training estimate is calibrated on 8B-class heads, and small heads
+    # (a 135M target's) run far below the compute share it assumes.
+    rates = ([measured_rate] if measured_rate else []) + [p.training.tokens_per_second for p in plans]
+    for fit in quality.fits:
+        goal = quality.goal_ratio * fit.baseline_tau
+        if math.isnan(goal):  # no baseline measured on this set
+            goal_text, needed_text, times = f"no {quality.baseline} τ", "—", ["—"] * len(rates)
+        else:
+            needed = fit.tokens_for(goal)
+            goal_text = f"{goal:.2f} ({quality.baseline} {fit.baseline_tau:.2f})"
+            if needed is None:
+                needed_text, times = "never on this line", ["never on this line"] * len(rates)
+            else:
+                needed_text = _tokens(needed)
+                times = ["met" if needed <= planned else _hours(needed / rate) for rate in rates]
+        table.add_row(
+            fit.name,
+            str(fit.points),
+            f"{fit.tau_min:.2f}-{fit.tau_max:.2f}",
+            f"{fit.slope_per_doubling:+.3f}",
+            f"{fit.tau_at(planned):.2f}",
+            goal_text,
+            needed_text,
+            *times,
+        )
+    for name in quality.unfitted:
+        taus = [h.tau[name] for h in quality.heads if name in h.tau]
+        measured = f"{min(taus):.2f}-{max(taus):.2f}"
+        table.add_row(name, str(len(taus)), measured, "needs two token counts", *[""] * (3 + len(rates)))
+    return table
+
+
 def print_plan(
     run: PlannedRun,
     data: DataSize,
     curve: AcceptanceCurve,
     plans: list[HardwarePlan],
     console: Console | None = None,
+    quality: QualityFit | None = None,
 ) -> str:
     console = console or Console(width=160)
     console.print(data_table(run, data))
     console.print(time_table(run, plans))
     console.print(modes_table(run, plans))
     console.print(serving_table(plans, curve, run))
+    if quality is not None:
+        console.print(quality_table(quality, data, plans))
     console.print(assumptions_table(run, plans))
     line = verdict(plans, run.plan.deadline_hours)
     console.print(f"[bold]{line}[/bold]")

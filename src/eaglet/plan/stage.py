@@ -8,6 +8,7 @@ from eaglet.plan.acceptance import acceptance_curve
 from eaglet.plan.configs import load_hardware, options
 from eaglet.plan.data_size import estimate_data_size
 from eaglet.plan.planner import HardwarePlan, PlannedRun, plan_hardware
+from eaglet.plan.quality import measure_quality
 from eaglet.plan.report import print_plan
 from eaglet.shards.layout import shard_dir
 
@@ -43,6 +44,7 @@ def run_plan(cfg: EagletConfig) -> tuple[list[HardwarePlan], str]:
         shard_dir(cfg.paths.data_dir, cfg.model.name, cfg.dataset.name, cfg.extract.output_dir),
     )
     curve = acceptance_curve(cfg.plan.serving)
+    quality = measure_quality(cfg.plan.quality)  # before the estimates: a bad path fails fast
     run = PlannedRun(
         model=cfg.model,
         draft=cfg.draft,
@@ -53,4 +55,4 @@ def run_plan(cfg: EagletConfig) -> tuple[list[HardwarePlan], str]:
         shard_tokens=cfg.extract.shard_tokens,
     )
     plans = [plan_hardware(run, hw, data, curve) for hw in hardware]
-    return plans, print_plan(run, data, curve, plans)
+    return plans, print_plan(run, data, curve, plans, quality=quality)
