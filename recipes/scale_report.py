@@ -5,7 +5,9 @@ their per-prompt counts: with ten prompts a set, a goal "met" by a few hundredth
 
 from __future__ import annotations
 
+from eaglet.errors import ConfigError
 from eaglet.evaluate.intervals import difference_interval, ratio_interval
+from eaglet.plan.quality import MeasuredHead, fit_sets, on_the_curve
 
 SET_NAMES = {"mt_bench_like": "chat", "alpaca": "instructions (Alpaca)", "code": "code", "math": "maths"}
 # τ at K = 4: at least these multiples of n-gram lookup's, per set; and of the speculators head's.
@@ -24,7 +26,7 @@ def format_report(record: dict, status: dict[str, str]) -> str:
     ]
     if "main" in rows and rows["main"].get("sets"):
         parts.append(_goal(rows, sets))
-    parts += [_ablations(rows, sets), _acceptance(rows, sets), _left(status)]
+    parts += [_scaling(rows), _ablations(rows, sets), _acceptance(rows, sets), _left(status)]
     return "\n".join(p for p in parts if p)
 
 
@@ -118,6 +120,47 @@ def _goal(rows: dict[str, dict], sets: list[str]) -> str:
                 )
     else:
         lines.append("- vs the speculators head: not evaluated yet")
+    return "\n".join(lines) + "\n"
+
+
+def _scaling(rows: dict[str, dict]) -> str:
+    """τ against log2 of tokens seen over the rows at the experiment's own settings (scale_small, scale_mid, main)."""
+    heads = [
+        MeasuredHead(
+            name,
+            r["tokens_seen"],
+            {s: e["results"]["eaglet"]["tau"] for s, e in r["sets"].items()},
+            {s: e["results"]["ngram"]["tau"] for s, e in r["sets"].items() if "ngram" in e["results"]},
+        )
+        for name, r in rows.items()
+        if r.get("sets") and r.get("tokens_seen") and on_the_curve(r)
+    ]
+    try:
+        fits = fit_sets(heads)
+    except ConfigError:
+        return ""  # fewer than two token counts evaluated yet
+    lines = [
+        f"## Data scaling: τ against log2 of tokens seen ({', '.join(h.label for h in heads)})\n",
+        "| set | +τ per doubling | tokens seen for the goal (× n-gram lookup's τ) |",
+        "|---|---|---|",
+    ]
+    for fit in fits:
+        goal = GOAL_VS_NGRAM.get(fit.name)
+        needed = (
+            fit.tokens_for(goal * fit.baseline_tau) if goal and fit.baseline_tau == fit.baseline_tau else None
+        )
+        reach = (
+            "—"
+            if goal is None
+            else f"{needed / 1e6:,.3g}M ({goal}×)"
+            if needed
+            else f"never on this line ({goal}×)"
+        )
+        lines.append(f"| {SET_NAMES.get(fit.name, fit.name)} | {fit.slope_per_doubling:+.2f} | {reach} |")
+    lines.append(
+        "\nA line through few points, extrapolated past them. `python plan.py plan.quality.measured=[<out>/scale.json]` "
+        "draws the same line and gives the time to each goal on a machine."
+    )
     return "\n".join(lines) + "\n"
 
 

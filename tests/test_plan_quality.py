@@ -46,6 +46,8 @@ def write_run(
 def write_scale(path: Path) -> Path:
     rows = {
         "main": {
+            "store": "main",
+            "overrides": [],
             "steps": 100,
             "tokens_seen": 3_276_800,
             "train_s": 32.768,
@@ -53,6 +55,18 @@ def write_scale(path: Path) -> Path:
         },
         "half": {"steps": 50, "tokens_seen": 1_638_400, "sets": sets(alpaca=(2.1, 1.8))},
         "not_evaluated": {"steps": 100, "tokens_seen": 3_276_800},
+        "ablation": {
+            "steps": 50,
+            "tokens_seen": 1_638_400,
+            "overrides": ["trainer.ttt_steps=7"],
+            "sets": sets(alpaca=(9.0, 1.0)),
+        },
+        "other_data": {
+            "steps": 50,
+            "tokens_seen": 1_638_400,
+            "store": "shared_only",
+            "sets": sets(alpaca=(9.0, 1.0)),
+        },
         "not_trained": {"sets": sets(alpaca=(9.0, 1.0))},
     }
     path.write_text(json.dumps({"stores": {"main": {"tokens": 1000}}, "rows": rows}))
@@ -97,7 +111,7 @@ def test_fit_needs_two_token_counts():
 # ---- reading -----------------------------------------------------------------------------------------------
 
 
-def test_read_scale_json_skips_rows_not_evaluated(tmp_path: Path):
+def test_read_scale_json_skips_rows_not_evaluated_and_ablations(tmp_path: Path):
     path = write_scale(tmp_path / "scale.json")
     heads = read_measured(str(path), PlanQualityConfig())
     assert [h.label for h in heads] == [f"{path}:main", f"{path}:half"]

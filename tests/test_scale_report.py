@@ -108,3 +108,19 @@ def test_results_without_per_prompt_counts_still_report(report) -> None:
     text = report.format_report({"stores": {}, "rows": {"main": main}}, {"main": "done"})
     line = next(line for line in text.splitlines() if "main vs n-gram lookup, code" in line)
     assert line == "- main vs n-gram lookup, code: 2.47×; goal ≥ 1.5×: met"
+
+
+def test_data_scaling_fits_the_rows_at_the_experiments_own_settings(report) -> None:
+    small = _row({"code": _set(_results({"eaglet": NEAR_GOAL, "ngram": NGRAM}))}, tokens_seen=1_000_000)
+    mid = _row({"code": _set(_results({"eaglet": CLEARLY_TWICE, "ngram": NGRAM}))}, tokens_seen=4_000_000)
+    continued = _row(small["sets"], tokens_seen=9_000_000, overrides=["trainer.init_from=/heads/earlier"])
+    ttt7 = _row(small["sets"], against="scale_mid", tokens_seen=2_000_000, overrides=["trainer.ttt_steps=7"])
+    rows = {"main": continued, "scale_small": small, "scale_mid": mid, "ttt7": ttt7}
+    text = report.format_report({"stores": {}, "rows": rows}, {})
+    assert "## Data scaling: τ against log2 of tokens seen (scale_small, scale_mid)" in text
+    line = next(line for line in text.splitlines() if line.startswith("| code | +"))
+    assert line.startswith("| code | +0.64 |")  # (4.09 - 2.81) over two doublings
+    # 1.5 × n-gram's 1.66 = 2.48 lies below the smaller head's 2.81: reached before 1M tokens
+    assert line.endswith("M (1.5×) |") and float(line.split("|")[3].split("M")[0]) < 1.0
+    only_one = report.format_report({"stores": {}, "rows": {"scale_small": small}}, {})
+    assert "Data scaling" not in only_one  # one token count: no line

@@ -3,7 +3,7 @@
 Acceptance tends to grow by about the same amount per doubling of the training tokens over the range a
 recipe measures, so a straight line in log2(tokens) per evaluation set says what τ a planned run should reach
 and how many tokens a goal τ needs. Heads come from a recipe's scale.json (recipes/smollm2_scale.py: one head
-per evaluated row) or from evaluated run folders (eval.json + report.json). The line holds for the measured
+per evaluated row at the experiment's own settings; ablations and continued heads left out) or from evaluated run folders (eval.json + report.json). The line holds for the measured
 target and data only, and extrapolating past the measured range is a guess.
 """
 
@@ -110,6 +110,11 @@ def _rate(tokens: float, seconds: Any) -> float | None:
     return tokens / seconds if isinstance(seconds, int | float) and seconds > 0 else None
 
 
+def on_the_curve(row: dict) -> bool:
+    """A recipe row at the experiment's own settings (its main store, no overrides): scale_small, scale_mid, main."""
+    return row.get("store", "main") == "main" and not row.get("overrides")
+
+
 def _from_scale(path: Path, cfg: PlanQualityConfig, before: dict[str, float]) -> list[MeasuredHead]:
     data = _load_json(path)
     rows = data.get("rows") if isinstance(data, dict) else None
@@ -119,6 +124,8 @@ def _from_scale(path: Path, cfg: PlanQualityConfig, before: dict[str, float]) ->
     for row, entry in rows.items():
         if not isinstance(entry, dict) or not entry.get("sets") or not entry.get("steps"):
             continue  # not trained or not evaluated
+        if not on_the_curve(entry):
+            continue  # an ablation, or a head continued from another: not the same settings on fewer tokens
         label = f"{path}:{row}"
         tokens = entry.get("tokens_seen")
         if not isinstance(tokens, int | float) or tokens <= 0:
