@@ -5,9 +5,12 @@ their per-prompt counts: with ten prompts a set, a goal "met" by a few hundredth
 
 from __future__ import annotations
 
+import math
+
+from eaglet.config.schema import PlanQualityConfig
 from eaglet.errors import ConfigError
 from eaglet.evaluate.intervals import difference_interval, ratio_interval
-from eaglet.plan.quality import MeasuredHead, fit_sets, on_the_curve
+from eaglet.plan.quality import fit_sets, heads_from_rows
 
 SET_NAMES = {"mt_bench_like": "chat", "alpaca": "instructions (Alpaca)", "code": "code", "math": "maths"}
 # τ at K = 4: at least these multiples of n-gram lookup's, per set; and of the speculators head's.
@@ -125,16 +128,7 @@ def _goal(rows: dict[str, dict], sets: list[str]) -> str:
 
 def _scaling(rows: dict[str, dict]) -> str:
     """τ against log2 of tokens seen over the rows at the experiment's own settings (scale_small, scale_mid, main)."""
-    heads = [
-        MeasuredHead(
-            name,
-            r["tokens_seen"],
-            {s: e["results"]["eaglet"]["tau"] for s, e in r["sets"].items()},
-            {s: e["results"]["ngram"]["tau"] for s, e in r["sets"].items() if "ngram" in e["results"]},
-        )
-        for name, r in rows.items()
-        if r.get("sets") and r.get("tokens_seen") and on_the_curve(r)
-    ]
+    heads = heads_from_rows(rows, PlanQualityConfig(), "the recipe's rows")
     try:
         fits = fit_sets(heads)
     except ConfigError:
@@ -146,16 +140,13 @@ def _scaling(rows: dict[str, dict]) -> str:
     ]
     for fit in fits:
         goal = GOAL_VS_NGRAM.get(fit.name)
-        needed = (
-            fit.tokens_for(goal * fit.baseline_tau) if goal and fit.baseline_tau == fit.baseline_tau else None
-        )
-        reach = (
-            "—"
-            if goal is None
-            else f"{needed / 1e6:,.3g}M ({goal}×)"
-            if needed
-            else f"never on this line ({goal}×)"
-        )
+        if goal is None or math.isnan(
+            fit.baseline_tau
+        ):  # no goal for this set, or no n-gram τ to scale it by
+            reach = "—"
+        else:
+            needed = fit.tokens_for(goal * fit.baseline_tau)
+            reach = f"{needed / 1e6:,.3g}M ({goal}×)" if needed else f"never on this line ({goal}×)"
         lines.append(f"| {SET_NAMES.get(fit.name, fit.name)} | {fit.slope_per_doubling:+.2f} | {reach} |")
     lines.append(
         "\nA line through few points, extrapolated past them. `python plan.py plan.quality.measured=[<out>/scale.json]` "

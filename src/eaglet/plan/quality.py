@@ -115,25 +115,33 @@ def on_the_curve(row: dict) -> bool:
     return row.get("store", "main") == "main" and not row.get("overrides")
 
 
-def _from_scale(path: Path, cfg: PlanQualityConfig, before: dict[str, float]) -> list[MeasuredHead]:
-    data = _load_json(path)
-    rows = data.get("rows") if isinstance(data, dict) else None
-    if not isinstance(rows, dict):
-        raise DataError(f"{path}: no 'rows' of a recipe summary (scale.json)")
+def heads_from_rows(
+    rows: dict, cfg: PlanQualityConfig, where: str, prefix: str = "", before: dict[str, float] | None = None
+) -> list[MeasuredHead]:
+    """The heads of a recipe's rows (scale.json's "rows"), labelled prefix + row name; rows off the curve skipped."""
+    before = before or {}
     heads = []
     for row, entry in rows.items():
         if not isinstance(entry, dict) or not entry.get("sets") or not entry.get("steps"):
             continue  # not trained or not evaluated
         if not on_the_curve(entry):
             continue  # an ablation, or a head continued from another: not the same settings on fewer tokens
-        label = f"{path}:{row}"
+        label = f"{prefix}{row}"
         tokens = entry.get("tokens_seen")
         if not isinstance(tokens, int | float) or tokens <= 0:
-            raise DataError(f"{path}: row '{row}' is evaluated but has no tokens_seen")
-        tau, baseline = _taus(entry["sets"], cfg, f"{path} row '{row}'")
+            raise DataError(f"{where}: row '{row}' is evaluated but has no tokens_seen")
+        tau, baseline = _taus(entry["sets"], cfg, f"{where} row '{row}'")
         rate = _rate(tokens, entry.get("train_s"))
         heads.append(MeasuredHead(label, float(tokens) + before.get(label, 0.0), tau, baseline, None, rate))
     return heads
+
+
+def _from_scale(path: Path, cfg: PlanQualityConfig, before: dict[str, float]) -> list[MeasuredHead]:
+    data = _load_json(path)
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, dict):
+        raise DataError(f"{path}: no 'rows' of a recipe summary (scale.json)")
+    return heads_from_rows(rows, cfg, str(path), prefix=f"{path}:", before=before)
 
 
 def _from_run(folder: Path, label: str, cfg: PlanQualityConfig, before: dict[str, float]) -> MeasuredHead:
