@@ -9,8 +9,11 @@ each (named below); this script recomputes them from those rows, to show the fil
 the other rows (held out). Goal: held-out predictions within ±25%.
 
 Training: the eaglet rows of the "Side by side with speculators on one device" tables
-(bench_gpu_side_by_side.py, the training code as it is). The eager layer's efficiency comes from one row, the
-compiled layer's from another; every other eaglet row is held out. The speculators rows measure another
+(bench_gpu_side_by_side.py, the training code as it is), and the rows of "The head's training step alone"
+(bench_train.py, SmolLM2-135M's 576-wide head on one H100). The eager layer's efficiency comes from one
+Llama-3.1-8B row, the compiled layer's from another; the small kernels' time per TTT step (per token and per
+micro-batch) from the narrow head's two compiled rows; the three are solved together, since each is net of the
+others. Every other row is held out. The speculators rows measure another
 implementation and are not predicted. The older "Training throughput" rows (bench_train.py) measured the
 previous training code (masked attention over the whole packed row, every step at every position, the
 teacher over the full vocab), which the planner no longer models: they stay in BENCHMARKS.md as history.
@@ -72,7 +75,13 @@ from eaglet.plan.extraction import (
 )
 from eaglet.plan.serving import target_step
 from eaglet.plan.target_cost import forward_flops_per_token
-from eaglet.plan.training import HeadShape, attention_context, calibrated_efficiency, device_seconds_per_token
+from eaglet.plan.training import (
+    HeadShape,
+    SmallKernelCosts,
+    attention_context,
+    calibrated_efficiency,
+    device_seconds_per_token,
+)
 from eaglet.target_model import resolve_dtype
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
@@ -85,6 +94,12 @@ TRAINING_CALIBRATION = {
     ("llama3_1_8b", 3, "eaglet"): "training_efficiency",
     ("llama3_1_8b", 3, "eaglet_compiled"): "training_efficiency_compiled",
 }
+# The narrow head's step alone (bench_train.py, SmolLM2-135M's shapes, one H100): its two compiled rows give the
+# small-kernel costs (training_token_step_us, training_microbatch_step_ms); the eager rows are held out.
+HEAD_STEP = "The head's training step alone, eager and compiled, 16K and 32K micro-batches"
+HEAD_STEP_HARDWARE = "h100_x8"  # its datasheet, for one device
+HEAD_STEP_COLUMNS = ("machine", "compiled", "micro-batch tokens", "tokens/s")
+CALIBRATION_ROUNDS = 20  # the efficiencies and the small-kernel costs depend on each other a little
 EXTRACTION = "Extraction throughput"
 # The columns of the pipeline that stores beside the forward; older rows lack them.
 EXTRACTION_COLUMNS = ("shards in", "disk write MB/s (tok/s)", "bare forward tok/s", "extraction tok/s")
@@ -118,28 +133,39 @@ def latest(tables: list[BenchTable], title: str) -> list[BenchTable]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainingRow:
-    """One measured eaglet row of a side-by-side table, with the run's settings."""
+class StepSpec:
+    """What a measured training row ran: the head's shape and settings, and its documents."""
 
     shape: str
     ttt: int
-    implementation: str
-    row: dict[str, str]
-    table: BenchTable
+    trainable: bool
+    compile: bool
+    draft_vocab: int
     batch_tokens: int
     doc_tokens: int
-    draft_vocab: int
     prompt_share: float  # mean share of each document before its loss mask
 
     @property
-    def machine(self) -> str:
-        match = _LEAD.match(self.table.text)
-        return match["machine"] if match else "?"
+    def loss_fraction(self) -> float:
+        return 1.0 - self.prompt_share
 
 
-def training_rows(tables: list[BenchTable]) -> tuple[list[TrainingRow], list[str]]:
-    """The latest row of each (shape, K, implementation), and what was left out (and why)."""
-    rows: dict[tuple, TrainingRow] = {}
+@dataclasses.dataclass(frozen=True)
+class TrainingRow:
+    """One measured row of training throughput, with the run's settings."""
+
+    spec: StepSpec
+    what: str  # the row's name in the check's table
+    key: tuple  # what the calibration rows are named by
+    tokens_per_s: float
+    machine: str
+    hardware: HardwareConfig
+
+
+def training_rows(tables: list[BenchTable], h200: HardwareConfig) -> tuple[list[TrainingRow], list[str]]:
+    """The latest eaglet row of each (shape, K, implementation) of the side-by-side tables, and what was left
+    out (and why)."""
+    rows: dict[tuple, tuple[dict[str, str], BenchTable, StepSpec]] = {}
     for table in latest(tables, SIDE_BY_SIDE):
         if not table.has_columns(*TRAINING_COLUMNS):
             continue  # the correctness and data-path tables under the same heading
@@ -152,28 +178,74 @@ def training_rows(tables: list[BenchTable]) -> tuple[list[TrainingRow], list[str
         share = (int(prompt["low"]) + int(prompt["high"])) / 200
         for row in table.rows:
             key = (row["shape"], int(row["K"]), row["implementation"])
-            rows[key] = TrainingRow(
-                *key, row, table, opts.batch_tokens, opts.doc_tokens, opts.draft_vocab, share
+            variant = VARIANTS.get(key[2])
+            spec = StepSpec(
+                row["shape"],
+                int(row["K"]),
+                bool(variant and variant.trainable),
+                bool(variant and variant.compile),
+                opts.draft_vocab,
+                opts.batch_tokens,
+                opts.doc_tokens,
+                share,
             )
+            rows[key] = (row, table, spec)
     kept, left_out = [], []
-    for key, measured in rows.items():
+    for key, (row, table, spec) in rows.items():
         variant = VARIANTS.get(key[2])
         if variant is None or variant.impl != "eaglet":
             left_out.append(f"{key[2]} {key[0]} K={key[1]} (another implementation)")
         elif variant.attention != "auto":
             left_out.append(f"{key[2]} {key[0]} K={key[1]} (attention={variant.attention}: not calibrated)")
-        elif measured.row["tokens/s"].startswith("error"):
-            left_out.append(f"{key[2]} {key[0]} K={key[1]} (failed: {measured.row['tokens/s']})")
+        elif row["tokens/s"].startswith("error"):
+            left_out.append(f"{key[2]} {key[0]} K={key[1]} (failed: {row['tokens/s']})")
         else:
-            kept.append(measured)
+            lead = _LEAD.match(table.text)
+            what = (
+                f"training {key[0]} K={key[1]} {key[2]} (lm_head {row['lm_head']}), "
+                f"{spec.batch_tokens:,}-token micro-batches of {spec.doc_tokens:,}-token documents"
+            )
+            machine = lead["machine"] if lead else "?"
+            kept.append(TrainingRow(spec, what, key, number(row["tokens/s"]), machine, h200))
     return kept, left_out
 
 
-def training_prediction(
-    measured: TrainingRow, h200: HardwareConfig, cal: PlanCalibrationConfig
-) -> tuple[float, float]:
-    """(predicted tokens/s, the efficiency this row alone implies)."""
-    model, d = load_model(measured.shape), load_draft(measured.shape)
+def head_step_rows(tables: list[BenchTable]) -> list[TrainingRow]:
+    """The latest rows of the narrow head's step alone (bench_train.py), keyed (shape, K, compiled, tokens)."""
+    found = [t for t in tables if t.title == HEAD_STEP and t.has_columns(*HEAD_STEP_COLUMNS)]
+    if not found:
+        raise DataError(f"{BENCH_FILE} lacks the table '{HEAD_STEP}' (the small-kernel calibration rows)")
+    table = found[-1]
+    args = table.args()
+    doc = int(args["doc_tokens"])
+    one_h100 = dataclasses.replace(load_hardware(HEAD_STEP_HARDWARE), devices=1)
+    rows = []
+    for row in table.rows:
+        compiled = row["compiled"] == "yes"
+        tokens = int(number(row["micro-batch tokens"]))
+        # bench_train.py's documents: the first int(0.4 × doc_tokens) tokens of each are the prompt
+        spec = StepSpec(
+            args["shapes"],
+            int(args["ttt"]),
+            args["lm_head_trainable"] == "1",
+            compiled,
+            int(args["draft_vocab"]),
+            tokens,
+            doc,
+            int(0.4 * doc) / doc,
+        )
+        head = "trainable" if spec.trainable else "frozen"
+        what = (
+            f"training {spec.shape} K={spec.ttt} {'compiled' if compiled else 'eager'} (lm_head {head}), "
+            f"{tokens:,}-token micro-batches of {doc:,}-token documents, the head's step alone"
+        )
+        key = (spec.shape, spec.ttt, "compiled" if compiled else "eager", tokens)
+        rows.append(TrainingRow(spec, what, key, number(row["tokens/s"]), row["machine"], one_h100))
+    return rows
+
+
+def head_shape(spec: StepSpec) -> HeadShape:
+    model, d = load_model(spec.shape), load_draft(spec.shape)
     bench = (
         d.hidden_size,
         d.num_attention_heads,
@@ -182,32 +254,78 @@ def training_prediction(
         d.intermediate_size,
         model.vocab_size,
     )
-    if SHAPES[measured.shape] != bench:
+    if SHAPES[spec.shape] != bench:
         raise DataError(
-            f"bench_train.SHAPES[{measured.shape!r}] = {SHAPES[measured.shape]} differs from "
-            f"conf/draft/{measured.shape}.yaml and conf/model/{measured.shape}.yaml {bench}"
+            f"bench_train.SHAPES[{spec.shape!r}] = {SHAPES[spec.shape]} differs from "
+            f"conf/draft/{spec.shape}.yaml and conf/model/{spec.shape}.yaml {bench}"
         )
-    variant = VARIANTS[measured.implementation]
-    trainer = TrainerConfig(
-        ttt_steps=measured.ttt, lm_head_trainable=variant.trainable, compile=variant.compile
-    )
-    shape = HeadShape.of(model, d, trainer, min(measured.draft_vocab, model.vocab_size))
-    hardware = dataclasses.replace(h200, tokens_per_device=measured.batch_tokens)
-    doc = measured.doc_tokens  # every document of the benchmark has this length, one answer span each
-    loss = 1.0 - measured.prompt_share
-    efficiency = calibrated_efficiency(cal, trainer)
+    trainer = TrainerConfig(ttt_steps=spec.ttt, lm_head_trainable=spec.trainable, compile=spec.compile)
+    return HeadShape.of(model, d, trainer, min(spec.draft_vocab, model.vocab_size))
+
+
+def predicted_seconds(measured: TrainingRow, cal: PlanCalibrationConfig) -> tuple[float, float, float]:
+    """(the planner's seconds per token for the row, a micro-batch's fixed time shared out; its FLOPs; the
+    seconds of its loss bytes)."""
+    spec, shape = measured.spec, head_shape(measured.spec)
+    hardware = dataclasses.replace(measured.hardware, tokens_per_device=spec.batch_tokens)
+    small = SmallKernelCosts.of(cal)
+    doc = spec.doc_tokens  # every document of the benchmarks has this length, one answer span each
     seconds, flops, moved = device_seconds_per_token(
         shape,
         hardware,
-        loss_fraction=loss,
-        row_fraction=loss + (measured.ttt - 1) / doc,
+        loss_fraction=spec.loss_fraction,
+        row_fraction=spec.loss_fraction + (spec.ttt - 1) / doc,
         attention_context=attention_context(hardware, (doc + 1) / 2, cal.training_attention),
-        efficiency=efficiency,
+        efficiency=calibrated_efficiency(cal, TrainerConfig(compile=spec.compile)),
         bandwidth_efficiency=cal.training_bandwidth_efficiency,
+        small_kernels=small,
     )
     memory = moved / (hardware.memory_bandwidth_gbs * 1e9 * cal.training_bandwidth_efficiency)
-    compute = 1 / number(measured.row["tokens/s"]) - memory
-    return 1 / seconds, flops / (hardware.bf16_tflops * 1e12 * compute)
+    return seconds + small.microbatch_seconds(shape, hardware) / spec.batch_tokens, flops, memory
+
+
+def implied_efficiency(measured: TrainingRow, cal: PlanCalibrationConfig) -> float:
+    """The share of datasheet bf16 the row implies, its other terms as cal has them."""
+    seconds, flops, _ = predicted_seconds(measured, cal)
+    efficiency = calibrated_efficiency(cal, TrainerConfig(compile=measured.spec.compile))
+    flop_seconds = flops / (measured.hardware.bf16_tflops * 1e12 * efficiency)
+    return flops / (
+        measured.hardware.bf16_tflops * 1e12 * (1 / measured.tokens_per_s - seconds + flop_seconds)
+    )
+
+
+def implied_small_kernels(pair: list[TrainingRow], cal: PlanCalibrationConfig) -> SmallKernelCosts:
+    """The small-kernel costs two rows of one head at two micro-batch sizes imply: the difference of their
+    times per token is the micro-batch's fixed time; what is left per token beyond the FLOPs and the loss's
+    bytes is the per-token time."""
+    small, big = sorted(pair, key=lambda r: r.spec.batch_tokens)
+    ttt = small.spec.ttt
+    per_token = (big.spec.batch_tokens / big.tokens_per_s - small.spec.batch_tokens / small.tokens_per_s) / (
+        big.spec.batch_tokens - small.spec.batch_tokens
+    )
+    microbatch = small.spec.batch_tokens / small.tokens_per_s - small.spec.batch_tokens * per_token
+    modelled = predicted_seconds(
+        small, dataclasses.replace(cal, training_token_step_us=0.0, training_microbatch_step_ms=0.0)
+    )[0]
+    return SmallKernelCosts((per_token - modelled) / ttt * 1e6, microbatch / ttt * 1e3)
+
+
+def recalibrate(
+    cal: PlanCalibrationConfig, calibration_rows: dict[str, TrainingRow], pair: list[TrainingRow]
+) -> PlanCalibrationConfig:
+    """The training constants as their rows imply them together: each efficiency is net of the small-kernel
+    costs, which are net of the FLOPs at the compiled efficiency; a few rounds settle both."""
+    for _ in range(CALIBRATION_ROUNDS):
+        small = implied_small_kernels(pair, cal)
+        cal = dataclasses.replace(
+            cal,
+            training_token_step_us=small.token_step_us,
+            training_microbatch_step_ms=small.microbatch_step_ms,
+        )
+        cal = dataclasses.replace(
+            cal, **{name: implied_efficiency(row, cal) for name, row in calibration_rows.items()}
+        )
+    return cal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -638,28 +756,31 @@ def main(argv: list[str]) -> int:
     results = []  # (what, machine, measured, predicted, role)
     notes = []  # (text, in step)
 
-    measured_rows, left_out = training_rows(tables)
-    for measured in measured_rows:
-        predicted, implied = training_prediction(measured, h200, cal)
-        key = (measured.shape, measured.ttt, measured.implementation)
-        name = TRAINING_CALIBRATION.get(key)
-        if name is not None:
-            notes.append(
-                calibration_note(name, getattr(cal, name), implied, f"{measured.implementation} row")
-            )
-        what = (
-            f"training {key[0]} K={key[1]} {key[2]} (lm_head {measured.row['lm_head']}), "
-            f"{measured.batch_tokens:,}-token micro-batches of {measured.doc_tokens:,}-token documents"
-        )
-        role = "calibration" if name else "held out"
-        results.append((what, measured.machine, number(measured.row["tokens/s"]), predicted, role))
-    missing = [
-        key
-        for key in TRAINING_CALIBRATION
-        if key not in {(m.shape, m.ttt, m.implementation) for m in measured_rows}
-    ]
+    measured_rows, left_out = training_rows(tables, h200)
+    head_rows = head_step_rows(tables)
+    by_key = {row.key: row for row in measured_rows}
+    missing = [key for key in TRAINING_CALIBRATION if key not in by_key]
     if missing:
         raise DataError(f"{BENCH_FILE} lacks the training calibration rows {missing} under '{SIDE_BY_SIDE}'")
+    pair = [row for row in head_rows if row.spec.compile]
+    if len({row.spec.batch_tokens for row in pair}) != 2:
+        raise DataError(
+            f"{BENCH_FILE}: '{HEAD_STEP}' needs two compiled rows at two micro-batch sizes, got {len(pair)}"
+        )
+    implied = recalibrate(cal, {name: by_key[key] for key, name in TRAINING_CALIBRATION.items()}, pair)
+    for key, name in TRAINING_CALIBRATION.items():
+        notes.append(calibration_note(name, getattr(cal, name), getattr(implied, name), f"{key[2]} row"))
+    for name in ("training_token_step_us", "training_microbatch_step_ms"):
+        notes.append(
+            calibration_note(
+                name, getattr(cal, name), getattr(implied, name), "pair of compiled head-step rows"
+            )
+        )
+    for measured in measured_rows + head_rows:
+        predicted = 1 / predicted_seconds(measured, cal)[0]
+        calibrates = measured.key in TRAINING_CALIBRATION or measured in pair
+        role = "calibration" if calibrates else "held out"
+        results.append((measured.what, measured.machine, measured.tokens_per_s, predicted, role))
 
     extraction, extraction_notes, extraction_left_out = check_extraction(tables, h200, plan)
     results += extraction
@@ -688,7 +809,11 @@ def main(argv: list[str]) -> int:
         "Calibration (recomputed from its rows): " + "; ".join(text for text, _ in notes) + ".",
         f"Training rows: eaglet.plan.training's FLOPs at the calibrated share of datasheet bf16 (eager or compiled "
         f"layer), plus the loss's element-wise bytes at {cal.training_bandwidth_efficiency:.0%} of datasheet "
-        f"bandwidth (assumed); {h200.name}'s datasheet: {h200.bf16_tflops:g} TFLOP/s, {h200.memory_bandwidth_gbs:g} GB/s.",
+        f"bandwidth (assumed), plus the small kernels' time per TTT step ({cal.training_token_step_us:g} µs a "
+        f"token, {cal.training_microbatch_step_ms:g} ms a micro-batch); {h200.name}'s datasheet: "
+        f"{h200.bf16_tflops:g} TFLOP/s, {h200.memory_bandwidth_gbs:g} GB/s; the head-step rows on one H100's "
+        f"({HEAD_STEP_HARDWARE}): {load_hardware(HEAD_STEP_HARDWARE).bf16_tflops:g} TFLOP/s, "
+        f"{load_hardware(HEAD_STEP_HARDWARE).memory_bandwidth_gbs:g} GB/s.",
         "Extraction rows: per token, max(forward + store_exposed_share × storing, storing), storing at the slower "
         "of host_store_gbs and the row's own measured write rate (eaglet.plan.extraction). The bare forward is the "
         "one the tmpfs row calibrates, measured again in the held-out row's run.",

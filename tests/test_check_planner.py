@@ -3,6 +3,7 @@ tests/test_plan.py::test_check_planner_meets_its_goal)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -157,3 +158,57 @@ def test_decode_step_reads_its_greedy_compiled_row(tmp_path: Path):
     assert left_out == [
         "decode step, sampling 0.7/0.95 (the planner's decode step is greedy: no sampling cost)"
     ]
+
+
+HEAD_STEP_HEADER = "| date | machine | compiled | micro-batch tokens | tokens/s | peak GiB |"
+
+
+def head_step_table(tmp_path: Path, rates: dict[tuple[str, int], float]) -> list[BenchTable]:
+    command = (
+        "python benchmarks/bench_train.py shapes=smollm2_135m ttt=5 draft_vocab=8192 lm_head_trainable=1 "
+        "batch_tokens=<B> compile=<C> doc_tokens=512 docs=256 steps=40 warmup=8"
+    )
+    rows = "".join(f"| d | H100 | {c} | {b:,} | {r:,.0f} | 3 |\n" for (c, b), r in rates.items())
+    path = tmp_path / "B.md"
+    path.write_text(
+        f"## NVIDIA H200\n\n### {check_planner.HEAD_STEP} — `{command}`\n\n"
+        f"{HEAD_STEP_HEADER}\n{rule(HEAD_STEP_HEADER)}\n{rows}"
+    )
+    return parse_benchmarks(path)
+
+
+def test_head_step_rows_give_back_the_small_kernel_costs_they_were_made_with(tmp_path: Path):
+    # Rows the planner itself predicts with known costs: the calibration must find those costs again.
+    known = dataclasses.replace(
+        default_plan().calibration, training_token_step_us=0.5, training_microbatch_step_ms=3.0
+    )
+    placeholder = {("yes", 16384): 1.0, ("yes", 32768): 1.0, ("no", 16384): 1.0}
+    rows = check_planner.head_step_rows(head_step_table(tmp_path, placeholder))
+    rates = {
+        ("yes" if r.spec.compile else "no", r.spec.batch_tokens): 1
+        / check_planner.predicted_seconds(r, known)[0]
+        for r in rows
+    }
+    rows = check_planner.head_step_rows(head_step_table(tmp_path, rates))
+    assert [(r.spec.ttt, r.spec.draft_vocab, r.spec.trainable, r.spec.doc_tokens) for r in rows] == [
+        (5, 8192, True, 512)
+    ] * 3
+    assert rows[0].spec.loss_fraction == pytest.approx(1 - 204 / 512)
+    assert rows[0].hardware.devices == 1 and rows[0].hardware.gpu == "H100"
+    pair = [r for r in rows if r.spec.compile]
+    # rates are rounded to whole tokens/s in the table
+    found = check_planner.implied_small_kernels(pair, known)
+    assert found.token_step_us == pytest.approx(0.5, rel=1e-3)
+    assert found.microbatch_step_ms == pytest.approx(3.0, rel=1e-3)
+    # and with no small-kernel costs at all, a pair whose rates do not depend on the micro-batch size
+    none = dataclasses.replace(known, training_token_step_us=0.0, training_microbatch_step_ms=0.0)
+    flat = {key: 1 / check_planner.predicted_seconds(rows[0], none)[0] for key in rates}
+    rows = check_planner.head_step_rows(head_step_table(tmp_path, flat))
+    found = check_planner.implied_small_kernels([r for r in rows if r.spec.compile], none)
+    assert abs(found.microbatch_step_ms) < 1e-3 and abs(found.token_step_us) < 1e-3
+
+
+def test_without_the_head_step_table_the_check_says_so(tmp_path: Path):
+    (tmp_path / "B.md").write_text("## NVIDIA H200\n")
+    with pytest.raises(DataError, match="small-kernel calibration rows"):
+        check_planner.head_step_rows(parse_benchmarks(tmp_path / "B.md"))

@@ -195,6 +195,10 @@ def test_choices_are_plain_strings_wherever_the_config_is_recorded(compose) -> N
         (["draft.vocab_size=0"], "draft.vocab_size must be >= 1"),
         (["plan.compare=[cpu,cpu]"], "plan.compare lists ['cpu'] more than once"),
         (
+            ["plan.calibration.training_microbatch_step_ms=-1"],
+            "plan.calibration.training_microbatch_step_ms must be >= 0",
+        ),
+        (
             ["plan.calibration.training_efficiency=1.5"],
             "plan.calibration.training_efficiency must lie in (0, 1]",
         ),

@@ -33,6 +33,7 @@ from eaglet.plan.training import (
     LOSS_BYTES_PER_LOGIT_COMPILED,
     TEACHER_BYTES_PER_LOGIT,
     HeadShape,
+    SmallKernelCosts,
     attention_context,
     calibrated_efficiency,
     estimate_training,
@@ -232,6 +233,26 @@ def test_training_time_per_epoch():
     )
     with pytest.raises(ConfigError, match="training_bandwidth_efficiency"):
         estimate_training(shape, hardware, trainer, efficiency=0.5, bandwidth_efficiency=0.0, **common)
+
+
+def test_small_kernels_add_per_token_and_per_micro_batch_on_gpus_only():
+    model, draft = tiny_model(), dataclasses.replace(TINY_DRAFT, vocab_size=5)
+    # Two micro-batches of 6 tokens a step, three TTT steps
+    trainer = TrainerConfig(ttt_steps=3, lm_head_trainable=False, global_batch_tokens=12, val_fraction=0.0)
+    shape = HeadShape.of(model, draft, trainer)
+    common = dict(
+        tokens=1200, loss_fraction=0.5, mean_document_context=3.0, efficiency=0.5, bandwidth_efficiency=1.0
+    )
+    small = SmallKernelCosts(token_step_us=2.0, microbatch_step_ms=5.0)
+    for accelerator, expected_extra in (("gpu", 12 * 3 * 2e-6 + 2 * 3 * 5e-3), ("cpu", 0.0)):
+        hardware = one_device(accelerator=accelerator, bf16_tflops=1e-3, tokens_per_device=6)
+        plain = estimate_training(shape, hardware, trainer, **common)
+        costed = estimate_training(shape, hardware, trainer, small_kernels=small, **common)
+        assert costed.compute_seconds_per_step - plain.compute_seconds_per_step == pytest.approx(
+            expected_extra
+        )
+        assert costed.seconds_per_epoch == pytest.approx(100 * costed.compute_seconds_per_step)
+    assert SmallKernelCosts.of(default_plan().calibration).token_step_us > 0
 
 
 def test_speedup_of_a_memory_bound_dense_target():

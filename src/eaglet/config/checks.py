@@ -413,3 +413,8 @@ def check_plan(plan: PlanConfig) -> None:
     at_least("plan.calibration", {"pcie_allreduce_batch_size": cal.pcie_allreduce_batch_size}, 1)
     at_least("plan.calibration", {"nvlink_allreduce_us": cal.nvlink_allreduce_us}, 0)
     at_least("plan.calibration", {"store_exposed_share": cal.store_exposed_share}, 0)
+    small_kernels = {
+        "training_token_step_us": cal.training_token_step_us,
+        "training_microbatch_step_ms": cal.training_microbatch_step_ms,
+    }
+    at_least("plan.calibration", small_kernels, 0)

@@ -561,6 +561,10 @@ class PlanCalibrationConfig:
     training_bandwidth_efficiency: float = MISSING
     # Keys a training attention query visits on GPUs: "row" (the whole packed micro-batch) or "document".
     training_attention: AttentionKeys = MISSING
+    # GPU time per TTT step outside the FLOPs and the loss's bytes (a narrow head's many small kernels): per
+    # packed token (µs) and per micro-batch (ms).
+    training_token_step_us: float = MISSING
+    training_microbatch_step_ms: float = MISSING
     # Share of datasheet bf16 reached by the target's forward over packed extraction batches.
     prefill_efficiency: float = MISSING
     # Extraction: one replica's storing rate when the filesystem costs nothing (tmpfs), GB/s.

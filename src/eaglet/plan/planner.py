@@ -19,7 +19,13 @@ from eaglet.plan.extraction import (
 )
 from eaglet.plan.modes import ModeChoice, ModeEstimate, choose_mode, estimate_modes
 from eaglet.plan.serving import ServingPoint, serving_group, serving_point
-from eaglet.plan.training import HeadShape, TrainingEstimate, calibrated_efficiency, estimate_training
+from eaglet.plan.training import (
+    HeadShape,
+    SmallKernelCosts,
+    TrainingEstimate,
+    calibrated_efficiency,
+    estimate_training,
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ def plan_hardware(
         efficiency=calibrated_efficiency(plan.calibration, run.trainer),
         bandwidth_efficiency=plan.calibration.training_bandwidth_efficiency,
         attention_keys=plan.calibration.training_attention,
+        small_kernels=SmallKernelCosts.of(plan.calibration),
     )
     serving: list[ServingPoint] = []
     group = serving_group(hardware, plan)

@@ -258,7 +258,9 @@ def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
             f"{'compiled' if trainer.compile else 'eager'} layer (trainer.compile; calibrated on the H200 "
             f"side-by-side row, Llama-3.1-8B shapes, K=3, lm_head frozen), + the loss's element-wise passes over "
             f"the draft vocab at {cal.training_bandwidth_efficiency:.0%} of datasheet bandwidth; attention per "
-            f"{cal.training_attention} on GPUs, only at trained positions; DDP gradient all-reduce overlapped",
+            f"{cal.training_attention} on GPUs, only at trained positions; + per TTT step on GPUs "
+            f"{cal.training_token_step_us:g} µs a token and {cal.training_microbatch_step_ms:g} ms a micro-batch "
+            f"(small kernels, calibrated on the H100 SmolLM2-head rows); DDP gradient all-reduce overlapped",
         ),
         (
             "extraction",

@@ -26,6 +26,11 @@ matmul and read by two reductions and a pointwise pass, the teacher rows read by
 written (LOSS_BYTES_PER_LOGIT_COMPILED). Its share of a step does not shrink with the head's width (it weighs more on
 Llama-3.1-8B's H = 4096 than on Kimi-K2.5's 7168) and grows on low-bandwidth cards.
 
+Time neither term covers, on GPUs: a narrow head is bound by its many small kernels (norms, rotary, activations,
+attention's bookkeeping), not by its FLOPs. Per TTT step it costs about the same per packed token and per
+micro-batch (launches, host work) whatever the head's width (SmallKernelCosts, calibrated on a 576-wide head,
+where it is most of a step; on 4096- and 7168-wide heads a few percent).
+
 The layer runs eager or through torch.compile (trainer.compile): each has its own calibrated efficiency.
 Data parallel: each optimizer step all-reduces the fp32 gradients of the trainable parameters over the
 link; DDP overlaps that with the backward, so a step takes the longer of compute and all-reduce.
@@ -111,6 +116,27 @@ class HeadShape:
         return self.fc_params + self.layer_params + (self.lm_head_params if self.lm_head_trainable else 0)
 
 
+@dataclass(frozen=True)
+class SmallKernelCosts:
+    """Time per TTT step outside the FLOPs and the loss's bytes, on GPUs (plan.calibration.training_token_step_us,
+    training_microbatch_step_ms): per packed token, and per micro-batch."""
+
+    token_step_us: float = 0.0
+    microbatch_step_ms: float = 0.0
+
+    @classmethod
+    def of(cls, calibration: PlanCalibrationConfig) -> SmallKernelCosts:
+        return cls(calibration.training_token_step_us, calibration.training_microbatch_step_ms)
+
+    def token_seconds(self, shape: HeadShape, hardware: HardwareConfig) -> float:
+        """Per packed token."""
+        return shape.ttt_steps * self.token_step_us * 1e-6 if hardware.accelerator == "gpu" else 0.0
+
+    def microbatch_seconds(self, shape: HeadShape, hardware: HardwareConfig) -> float:
+        """Per micro-batch, whatever its size."""
+        return shape.ttt_steps * self.microbatch_step_ms * 1e-3 if hardware.accelerator == "gpu" else 0.0
+
+
 def _check_steps(shape: HeadShape) -> None:
     if shape.ttt_steps < 1:
         raise ConfigError(f"ttt_steps must be >= 1, got {shape.ttt_steps}")
@@ -190,8 +216,10 @@ def device_seconds_per_token(
     efficiency: float,
     bandwidth_efficiency: float,
     row_fraction: float | None = None,
+    small_kernels: SmallKernelCosts = SmallKernelCosts(),
 ) -> tuple[float, float, float]:
-    """(seconds per token on one device, its FLOPs, its loss bytes)."""
+    """(seconds per token on one device, its FLOPs, its loss bytes); a micro-batch's fixed time is not in it
+    (SmallKernelCosts.microbatch_seconds)."""
     datasheet = {"bf16_tflops": hardware.bf16_tflops, "memory_bandwidth_gbs": hardware.memory_bandwidth_gbs}
     for name, value in datasheet.items():
         if value <= 0:
@@ -206,8 +234,10 @@ def device_seconds_per_token(
         shape, loss_fraction=loss_fraction, attention_context=attention_context, row_fraction=row_fraction
     )
     moved = loss_bytes_per_token(shape, loss_fraction=loss_fraction)
-    seconds = flops / (hardware.bf16_tflops * 1e12 * efficiency) + moved / (
-        hardware.memory_bandwidth_gbs * 1e9 * bandwidth_efficiency
+    seconds = (
+        flops / (hardware.bf16_tflops * 1e12 * efficiency)
+        + moved / (hardware.memory_bandwidth_gbs * 1e9 * bandwidth_efficiency)
+        + small_kernels.token_seconds(shape, hardware)
     )
     return seconds, flops, moved
 
@@ -223,6 +253,7 @@ def estimate_training(
     efficiency: float,
     bandwidth_efficiency: float,
     attention_keys: str = "document",
+    small_kernels: SmallKernelCosts = SmallKernelCosts(),
 ) -> TrainingEstimate:
     """Time per epoch over `tokens` (less the validation split) on `hardware`."""
     world = hardware.devices * hardware.num_nodes
@@ -233,11 +264,15 @@ def estimate_training(
         attention_context=attention_context(hardware, mean_document_context, attention_keys),
         efficiency=efficiency,
         bandwidth_efficiency=bandwidth_efficiency,
+        small_kernels=small_kernels,
     )
     # The trainer's global batch, raised to one micro-batch per device when smaller (eaglet.train.hardware).
     micro = hardware.tokens_per_device * world
     step_tokens = max(-(-trainer.global_batch_tokens // micro), 1) * micro
-    compute = step_tokens / world * seconds_per_token
+    micro_batches = step_tokens // micro  # on each device
+    compute = step_tokens / world * seconds_per_token + micro_batches * small_kernels.microbatch_seconds(
+        shape, hardware
+    )
     allreduce = ring_allreduce_seconds(
         GRADIENT_BYTES * shape.trainable_params, world, hardware.interconnect_bandwidth_gbs
     )
