@@ -25,18 +25,20 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 The report, <out>/scale.md (and scale.json), lists τ per set, per-position acceptance and the lossless count for
 every row, the n-gram baseline, the ratios against the goal, and what was not run.
 
-H200 time: the data measured 14 minutes (850 s, 2026-12-04), online training 136K tokens/s (~8.5 min an epoch of
-its 69M tokens); evaluation 8.5 s a prompt on the GPU with the fp32 target in one process (measured 2026-12-04:
-eval_prompts=20, 80 prompts, ~11 minutes), now `eval_workers` processes side by side (on the GPU not measured
-yet: benchmarks/bench_eval_workers.py; on 2 CPU cores no gain). A head can
-also be evaluated on another machine (it comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Estimated for the
-other rows: scale_small ~2-3 min, scale_mid ~4, shared_only ~3 (its store reuses the answers: ~1 min to
-tokenize), greedy_only ~5 (~2 to tokenize), ttt7 ~4.5, seeded ~7 (its own self-prompts and their answers, ~3;
-the shared answers reused), people_x4 ~7 (three sampled answers to each of ~15K multi-turn conversations, not
-measured), vocab16384 ~4.5, speculators ~9 (both heads trained side by side on the same batches, ~1.5 steps/s,
-then an evaluation). Measured on one H100 (2026-12-05, 12M tokens, eval_prompts=10): scale_mid and vocab16384
-each ~2.5 min of training and ~2 of evaluation; the data with 30K self-prompts ~6. Each row includes ~0.5 min of start-up. Within one 30-minute H200 session (the data made again
-on a bare machine) the data and the main head fit; the other rows take further sessions.
+Time: on one H200 the data measured 14 minutes (850 s, 2026-12-04), online training 136K tokens/s (~8.5 min an epoch of
+its 69M tokens) with the head eager; compiled on 32K micro-batches (the experiment's setting now) 247K tokens/s on
+an H100 (2026-12-07), so ~4.7 min an epoch; evaluation 8.5 s a prompt on the GPU with the fp32 target in one
+process (measured 2026-12-04: eval_prompts=20, 80 prompts, ~11 minutes), 146-166 s for the same 80 prompts with
+`eval_workers=4` processes side by side (H100, 2026-12-06/07). A head can also be evaluated on another machine (it
+comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Measured on one H100 (2026-12-07, the head
+compiled, 20 prompts a set): scale_small 1.5 min of training (half of it compiling the head, once per machine)
+and 2.8 of evaluation, scale_mid 1.9 and 2.5, shared_only 1.2 to tokenize its store (the answers reused), 1.1 and
+2.7; the data with 30K self-prompts ~6. Estimated for the other rows: greedy_only ~5 (~2 to tokenize), ttt7 ~4.5,
+seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
+answers to each of ~15K multi-turn conversations, not measured), vocab16384 ~4.5, speculators ~9 (both heads
+trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of
+start-up. Within one 30-minute session (the data made again on a bare machine) the data and the main head fit, or
+the data and three of the other rows; the rest take further sessions.
 
 `budget_s=B`: the whole recipe, over every invocation, ends within B seconds of its first start (<out>/budget.json
 holds that start): the main head trains for the time left then (less `eval_reserve_s` for its last validation
@@ -84,12 +86,13 @@ from eaglet.shards.manifest import MANIFEST_FILE
 OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
         "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "4", "gpu": "0",
-        "extra": "", "budget_s": "0", "train_tokens_per_s": "105000", "eval_reserve_s": "300",
+        "extra": "", "budget_s": "0", "train_tokens_per_s": "230000", "eval_reserve_s": "300",
         "main_init_from": ""}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
 # `train_tokens_per_s`: online training's rate at the experiment's settings over the whole stage, compile,
-# validations and checkpoints included (105K on an H200, 116K on an H100, experiments/BENCHMARKS.md): the main
+# validations and checkpoints included (the head compiled on 32K micro-batches: 247K on an H100 over a 610-step row
+# with one validation, so 230K for a longer run's more validations and checkpoints; experiments/BENCHMARKS.md): the main
 # head's planned steps in the report (its schedule is fitted to the time it is given); `eval_reserve_s`: the head's last
 # validation, export and evaluation; `eval_workers`: evaluation processes side by side on the GPU (eval.workers;
 # one when eval_device=cpu). `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session)
@@ -365,7 +368,8 @@ def collect(scale: Scale, rows: list[str]) -> dict:
             entry |= {"steps": report["steps"], "tokens_seen": report["steps"] * gbt, "train_s": report["seconds"],
                       "tau_sim": report["tau_sim"]}  # fmt: skip
         if run.results_file.is_file():
-            entry["sets"] = json.loads(run.results_file.read_text())["sets"]
+            results = json.loads(run.results_file.read_text())
+            entry |= {"sets": results["sets"], "num_spec_tokens": results.get("num_spec_tokens")}
         if (run.path / BUDGET_FILE).is_file():
             entry["budget"] = json.loads((run.path / BUDGET_FILE).read_text())
         record[name] = entry
@@ -379,7 +383,11 @@ def collect(scale: Scale, rows: list[str]) -> dict:
                 name: {**s, "results": {"eaglet": s["results"]["baseline"], "ngram": s["results"]["ngram"]}}
                 for name, s in record[beside]["sets"].items()
             }
-            entry |= {k: record[beside][k] for k in ("steps", "tokens_seen") if k in record[beside]}
+            entry |= {
+                k: record[beside][k]
+                for k in ("steps", "tokens_seen", "num_spec_tokens")
+                if k in record[beside]
+            }
         record[SPECULATORS] = entry
     return {"stores": stores, "rows": record}
 

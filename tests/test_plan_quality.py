@@ -52,6 +52,7 @@ def write_scale(path: Path) -> Path:
             "tokens_seen": 3_276_800,
             "train_s": 32.768,
             "sets": sets(alpaca=(2.4, 1.8), code=(3.0, 1.9)),
+            "num_spec_tokens": 4,
         },
         "half": {"steps": 50, "tokens_seen": 1_638_400, "sets": sets(alpaca=(2.1, 1.8))},
         "not_evaluated": {"steps": 100, "tokens_seen": 3_276_800},
@@ -119,6 +120,8 @@ def test_read_scale_json_skips_rows_not_evaluated_and_ablations(tmp_path: Path):
     assert heads[0].baseline_tau == {"alpaca": 1.8, "code": 1.9}
     assert [h.label for h in read_measured(str(tmp_path), PlanQualityConfig())] == [h.label for h in heads]
     assert heads[0].tokens_per_s == pytest.approx(100_000) and heads[1].tokens_per_s is None
+    # K where the summary records it (summaries written before it was recorded lack it)
+    assert heads[0].num_spec_tokens == 4 and heads[1].num_spec_tokens is None
     before = PlanQualityConfig(tokens_before=[f"{path}:half=1000"])
     assert read_measured(str(path), before)[1].tokens == 1_638_400 + 1000
 
@@ -139,6 +142,11 @@ def test_measure_quality_off_and_on(tmp_path: Path):
     assert [f.name for f in quality.fits] == ["alpaca"] and quality.fits[0].points == 3
     assert quality.measured_tokens_per_s == pytest.approx(100_000)  # the one head whose seconds are known
     assert quality.unfitted == ["code", "math"] and quality.num_spec_tokens == 4
+    # Several timed runs: the longest one's rate (a short run's start-up weighs on its rate the most)
+    short = write_run(tmp_path / "short", 10, 32768, 32.768, alpaca=(1.8, 1.7))  # 10K tokens/s
+    longer = write_run(tmp_path / "long", 1000, 32768, 163.84, alpaca=(2.8, 1.7))  # 200K tokens/s
+    timed = measure_quality(PlanQualityConfig(measured=[str(short), str(scale), str(longer)]))
+    assert timed.measured_tokens_per_s == pytest.approx(200_000)
     with pytest.raises(ConfigError, match="no measured head is labelled \\['nope'\\]"):
         measure_quality(PlanQualityConfig(measured=[str(scale)], tokens_before=["nope=5"]))
 
@@ -195,5 +203,13 @@ def test_cli_prints_what_more_training_buys(tmp_path: Path):
     off = run_plan(tmp_path / "off", *base)
     assert off.returncode == 0, off.stderr
     assert "What more training buys" not in off.stdout and off.stdout.splitlines()[-1] == out.splitlines()[-1]
+    # heads evaluated at different K: the title names none
+    other_k = write_run(tmp_path / "k6", 400, 32768, alpaca=(2.4, 1.8))
+    (other_k / "eval.json").write_text(
+        (other_k / "eval.json").read_text().replace('"num_spec_tokens": 4', '"num_spec_tokens": 6')
+    )
+    mixed = run_plan(tmp_path / "mixed", *base, f"plan.quality.measured=[{small},{other_k}]")
+    assert mixed.returncode == 0, mixed.stderr
+    assert "What more training buys (τ against log2 of tokens trained" in mixed.stdout
     proc = run_plan(tmp_path / "typo", *base, "plan.quality.mesured=[x]")
     assert proc.returncode != 0 and "mesured" in proc.stdout + proc.stderr

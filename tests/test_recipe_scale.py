@@ -71,6 +71,9 @@ def test_every_row_runs_on_cpu_and_a_stopped_invocation_continues(tmp_path: Path
     for name, row in record["rows"].items():  # each evaluated against the real target beside n-gram lookup
         results = row["sets"]["math"]["results"]
         assert results["eaglet"]["tau"] >= 1.0 and results["ngram"]["tau"] >= 1.0, name
+        # K of the evaluation, which plan.quality's table names
+        evaluated = out / "rows" / ("scale_small" if name == "speculators" else name) / "eval.json"
+        assert row["num_spec_tokens"] == json.loads(evaluated.read_text())["num_spec_tokens"], name
     steps = {name: row["steps"] for name, row in record["rows"].items()}
     assert steps == {"main": steps["main"], "scale_small": 2, "shared_only": 2, "speculators": 2}
     stores = record[

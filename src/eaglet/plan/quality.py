@@ -132,7 +132,9 @@ def heads_from_rows(
             raise DataError(f"{where}: row '{row}' is evaluated but has no tokens_seen")
         tau, baseline = _taus(entry["sets"], cfg, f"{where} row '{row}'")
         rate = _rate(tokens, entry.get("train_s"))
-        heads.append(MeasuredHead(label, float(tokens) + before.get(label, 0.0), tau, baseline, None, rate))
+        k = entry.get("num_spec_tokens")  # absent from summaries written before it was recorded
+        k = k if isinstance(k, int) else None
+        heads.append(MeasuredHead(label, float(tokens) + before.get(label, 0.0), tau, baseline, k, rate))
     return heads
 
 
@@ -243,9 +245,11 @@ class QualityFit:
 
     @property
     def measured_tokens_per_s(self) -> float | None:
-        """The median training rate of the measured heads' own runs: their machine, as they trained."""
-        rates = sorted(h.tokens_per_s for h in self.heads if h.tokens_per_s)
-        return rates[len(rates) // 2] if rates else None
+        """The training rate of the longest measured run whose time is known: their machine, as they trained; the
+        longest, since a run's start-up (compiling, the first validation) weighs least there, as in the long runs
+        the goal takes."""
+        timed = [h for h in self.heads if h.tokens_per_s]
+        return max(timed, key=lambda h: h.tokens).tokens_per_s if timed else None
 
 
 def measure_quality(cfg: PlanQualityConfig) -> QualityFit | None:

@@ -319,7 +319,7 @@ def quality_table(quality: QualityFit, data: DataSize, plans: list[HardwarePlan]
     planned = data.tokens * plans[0].training.epochs
     table = Table(
         title=(
-            f"What more training buys (τ at K={k if k is not None else ''} against log2 of tokens trained, "
+            f"What more training buys (τ{f' at K={k}' if k is not None else ''} against log2 of tokens trained, "
             f"{len(quality.heads)} measured heads)"
         ),
         caption=(
@@ -343,8 +343,7 @@ def quality_table(quality: QualityFit, data: DataSize, plans: list[HardwarePlan]
         table.add_column(f"time to the goal at the heads' own rate ({_rate(measured_rate)})", overflow="fold")
     for p in plans:
         table.add_column(f"time to the goal, {p.hardware.name} (estimated)", overflow="fold")
-    # The heads' own rate first: the planner's training estimate is calibrated on 8B-class heads, and small heads
-    # (a 135M target's) run far below the compute share it assumes.
+    # The heads' own rate first: measured on their machine, it needs no model of the step.
     rates = ([measured_rate] if measured_rate else []) + [p.training.tokens_per_second for p in plans]
     for fit in quality.fits:
         goal = quality.goal_ratio * fit.baseline_tau
