@@ -97,7 +97,8 @@ TRAINING_CALIBRATION = {
 # The narrow head's step alone (bench_train.py, SmolLM2-135M's shapes, one H100): its two compiled rows give the
 # small-kernel costs (training_token_step_us, training_microbatch_step_ms); the eager rows are held out.
 HEAD_STEP = "The head's training step alone, eager and compiled, 16K and 32K micro-batches"
-HEAD_STEP_HARDWARE = "h100_x8"  # its datasheet, for one device
+# The datasheet a row's machine cell names (one device of it)
+HEAD_STEP_HARDWARE = {"H100": "h100_x8", "H200": "h200_x1"}
 HEAD_STEP_COLUMNS = ("machine", "compiled", "micro-batch tokens", "tokens/s")
 CALIBRATION_ROUNDS = 20  # the efficiencies and the small-kernel costs depend on each other a little
 EXTRACTION = "Extraction throughput"
@@ -218,9 +219,14 @@ def head_step_rows(tables: list[BenchTable]) -> list[TrainingRow]:
     table = found[-1]
     args = table.args()
     doc = int(args["doc_tokens"])
-    one_h100 = dataclasses.replace(load_hardware(HEAD_STEP_HARDWARE), devices=1)
     rows = []
     for row in table.rows:
+        cards = [card for card in HEAD_STEP_HARDWARE if card in row["machine"]]
+        if len(cards) != 1:
+            raise DataError(
+                f"{BENCH_FILE}: '{HEAD_STEP}' row on {row['machine']!r}: name one of {list(HEAD_STEP_HARDWARE)}"
+            )
+        one_device = dataclasses.replace(load_hardware(HEAD_STEP_HARDWARE[cards[0]]), devices=1)
         compiled = row["compiled"] == "yes"
         tokens = int(number(row["micro-batch tokens"]))
         # bench_train.py's documents: the first int(0.4 × doc_tokens) tokens of each are the prompt
@@ -240,7 +246,7 @@ def head_step_rows(tables: list[BenchTable]) -> list[TrainingRow]:
             f"{tokens:,}-token micro-batches of {doc:,}-token documents, the head's step alone"
         )
         key = (spec.shape, spec.ttt, "compiled" if compiled else "eager", tokens)
-        rows.append(TrainingRow(spec, what, key, number(row["tokens/s"]), row["machine"], one_h100))
+        rows.append(TrainingRow(spec, what, key, number(row["tokens/s"]), row["machine"], one_device))
     return rows
 
 
@@ -811,9 +817,8 @@ def main(argv: list[str]) -> int:
         f"layer), plus the loss's element-wise bytes at {cal.training_bandwidth_efficiency:.0%} of datasheet "
         f"bandwidth (assumed), plus the small kernels' time per TTT step ({cal.training_token_step_us:g} µs a "
         f"token, {cal.training_microbatch_step_ms:g} ms a micro-batch); {h200.name}'s datasheet: "
-        f"{h200.bf16_tflops:g} TFLOP/s, {h200.memory_bandwidth_gbs:g} GB/s; the head-step rows on one H100's "
-        f"({HEAD_STEP_HARDWARE}): {load_hardware(HEAD_STEP_HARDWARE).bf16_tflops:g} TFLOP/s, "
-        f"{load_hardware(HEAD_STEP_HARDWARE).memory_bandwidth_gbs:g} GB/s.",
+        f"{h200.bf16_tflops:g} TFLOP/s, {h200.memory_bandwidth_gbs:g} GB/s; the head-step rows on one device of the "
+        f"config their machine names ({', '.join(f'{k}: {v}' for k, v in HEAD_STEP_HARDWARE.items())}).",
         "Extraction rows: per token, max(forward + store_exposed_share × storing, storing), storing at the slower "
         "of host_store_gbs and the row's own measured write rate (eaglet.plan.extraction). The bare forward is the "
         "one the tmpfs row calibrates, measured again in the held-out row's run.",

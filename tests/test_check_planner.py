@@ -163,12 +163,14 @@ def test_decode_step_reads_its_greedy_compiled_row(tmp_path: Path):
 HEAD_STEP_HEADER = "| date | machine | compiled | micro-batch tokens | tokens/s | peak GiB |"
 
 
-def head_step_table(tmp_path: Path, rates: dict[tuple[str, int], float]) -> list[BenchTable]:
+def head_step_table(
+    tmp_path: Path, rates: dict[tuple[str, int], float], machine: str = "NVIDIA H100 80GB HBM3"
+) -> list[BenchTable]:
     command = (
         "python benchmarks/bench_train.py shapes=smollm2_135m ttt=5 draft_vocab=8192 lm_head_trainable=1 "
         "batch_tokens=<B> compile=<C> doc_tokens=512 docs=256 steps=40 warmup=8"
     )
-    rows = "".join(f"| d | H100 | {c} | {b:,} | {r:,.0f} | 3 |\n" for (c, b), r in rates.items())
+    rows = "".join(f"| d | {machine} | {c} | {b:,} | {r:,.0f} | 3 |\n" for (c, b), r in rates.items())
     path = tmp_path / "B.md"
     path.write_text(
         f"## NVIDIA H200\n\n### {check_planner.HEAD_STEP} — `{command}`\n\n"
@@ -206,6 +208,16 @@ def test_head_step_rows_give_back_the_small_kernel_costs_they_were_made_with(tmp
     rows = check_planner.head_step_rows(head_step_table(tmp_path, flat))
     found = check_planner.implied_small_kernels([r for r in rows if r.spec.compile], none)
     assert abs(found.microbatch_step_ms) < 1e-3 and abs(found.token_step_us) < 1e-3
+
+
+def test_a_head_step_row_on_an_unknown_card_is_refused(tmp_path: Path):
+    tables = head_step_table(tmp_path, {("yes", 16384): 1.0}, machine="NVIDIA A100")
+    with pytest.raises(DataError, match="name one of \\['H100', 'H200'\\]"):
+        check_planner.head_step_rows(tables)
+    (row,) = check_planner.head_step_rows(
+        head_step_table(tmp_path, {("yes", 16384): 1.0}, machine="H200 SXM")
+    )
+    assert row.hardware.name == "h200_x1"
 
 
 def test_without_the_head_step_table_the_check_says_so(tmp_path: Path):
