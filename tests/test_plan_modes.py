@@ -70,6 +70,10 @@ def test_online_when_the_shards_do_not_fit_and_the_target_fits_one_device() -> N
     assert online.seconds == pytest.approx(p.training.seconds + 2 * 0.95 * 1e8 * forward)
     assert online.disk_bytes == pytest.approx(5 * 1e8 + 8 * run.model.vocab_size)
     assert p.choice.mode == "online" and p.seconds == online.seconds and p.feasible
+    # The training rate of each way: online, a token costs the head's step and the target's forward
+    assert online.train_tokens_per_second == pytest.approx(1 / (1 / p.training.tokens_per_second + forward))
+    assert modes["shards"].train_tokens_per_second == modes["window"].train_tokens_per_second
+    assert modes["shards"].train_tokens_per_second == p.training.tokens_per_second
 
 
 def test_window_when_neither_fits_with_the_bound_to_pass() -> None:
@@ -118,3 +122,20 @@ def test_plan_py_prints_the_ways_to_train_and_the_one_to_use(tmp_path: Path) -> 
     assert "trainer.features=window" in out and "shards: the shards fit the disk" in out
     verdict = proc.stdout.strip().splitlines()[-1]
     assert "trainer.features=" in verdict
+
+
+def test_the_quality_table_times_the_goal_the_way_the_run_trains() -> None:
+    from eaglet.plan.quality import MeasuredHead, QualityFit, fit_sets
+    from eaglet.plan.report import _hours, quality_table
+
+    p, run, hw, data = planned("llama3_1_8b", "h200_x1", 1e8)
+    # τ 1 at 1M tokens, 2 at 2M: the goal 1.5 × 2.0 = 3 lies at 4M tokens
+    heads = [MeasuredHead("a", 1e6, {"s": 1.0}, {"s": 2.0}), MeasuredHead("b", 2e6, {"s": 2.0}, {"s": 2.0})]
+    quality = QualityFit(heads, fit_sets(heads), [], 1.5, "ngram")
+    small = dataclasses.replace(data, tokens=1e5)
+    for features in ("shards", "online"):
+        table = quality_table(quality, small, [p], features)
+        assert table.columns[-1].header == f"time to the goal, h200_x1 ({features}, estimated)"
+        assert table.columns[-1]._cells == [_hours(4e6 / by_mode(p)[features].train_tokens_per_second)]
+    # online, each token also runs the target: a slower rate than from shards
+    assert by_mode(p)["online"].train_tokens_per_second < 0.9 * by_mode(p)["shards"].train_tokens_per_second

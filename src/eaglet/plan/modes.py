@@ -43,6 +43,9 @@ class ModeEstimate:
     seconds: float  # regeneration, extraction and training
     problem: str | None = None  # why it cannot run on this machine
     max_disk_gb: float | None = None  # window: the extract.max_disk_gb to pass
+    train_tokens_per_second: float = (
+        0.0  # training's rate, the whole machine (online: the target's forward too)
+    )
 
     @property
     def feasible(self) -> bool:
@@ -82,7 +85,11 @@ def estimate_modes(
     offline_seconds = regeneration_seconds + extraction_seconds + training.seconds
     offline_disk = stored.total_bytes + counts
     shards = ModeEstimate(
-        "shards", offline_disk, offline_seconds, no_target or too_big(offline_disk, f"{stored.dtype} shards")
+        "shards",
+        offline_disk,
+        offline_seconds,
+        no_target or too_big(offline_disk, f"{stored.dtype} shards"),
+        train_tokens_per_second=training.tokens_per_second,
     )
 
     world = hardware.devices * hardware.num_nodes
@@ -99,7 +106,11 @@ def estimate_modes(
         f"{hardware.gpu} (at most {TARGET_MEMORY_SHARE:.0%} of {_size(memory)})"
     )
     online = ModeEstimate(
-        "online", online_disk, online_seconds, replica or too_big(online_disk, "token streams")
+        "online",
+        online_disk,
+        online_seconds,
+        replica or too_big(online_disk, "token streams"),
+        train_tokens_per_second=1 / (1 / training.tokens_per_second + forward / world),
     )
 
     window_shards = (trainer.window_shards or trainer.max_epochs) + int(trainer.val_fraction > 0) + 1
@@ -112,6 +123,7 @@ def estimate_modes(
         offline_seconds,
         no_target or too_big(least, f"the head and {window_shards} shards of {shard_tokens:,} tokens"),
         max_disk_gb=advised / 1e9,
+        train_tokens_per_second=training.tokens_per_second,
     )
     return [shards, online, window]
 

@@ -313,7 +313,9 @@ def _tokens(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def quality_table(quality: QualityFit, data: DataSize, plans: list[HardwarePlan]) -> Table:
+def quality_table(
+    quality: QualityFit, data: DataSize, plans: list[HardwarePlan], features: str = "shards"
+) -> Table:
     """Per evaluation set: τ along the fitted line at this plan's tokens, and what a goal τ takes."""
     k = quality.num_spec_tokens
     planned = data.tokens * plans[0].training.epochs
@@ -342,9 +344,11 @@ def quality_table(quality: QualityFit, data: DataSize, plans: list[HardwarePlan]
     if measured_rate:
         table.add_column(f"time to the goal at the heads' own rate ({_rate(measured_rate)})", overflow="fold")
     for p in plans:
-        table.add_column(f"time to the goal, {p.hardware.name} (estimated)", overflow="fold")
-    # The heads' own rate first: measured on their machine, it needs no model of the step.
-    rates = ([measured_rate] if measured_rate else []) + [p.training.tokens_per_second for p in plans]
+        table.add_column(f"time to the goal, {p.hardware.name} ({features}, estimated)", overflow="fold")
+    # The heads' own rate first: measured on their machine, it needs no model of the step. Then the planner's,
+    # training the way the run is configured to (trainer.features: online adds the target's forward).
+    estimated = [next(m.train_tokens_per_second for m in p.modes if m.mode == features) for p in plans]
+    rates = ([measured_rate] if measured_rate else []) + estimated
     for fit in quality.fits:
         goal = quality.goal_ratio * fit.baseline_tau
         if math.isnan(goal):  # no baseline measured on this set
@@ -388,7 +392,7 @@ def print_plan(
     console.print(modes_table(run, plans))
     console.print(serving_table(plans, curve, run))
     if quality is not None:
-        console.print(quality_table(quality, data, plans))
+        console.print(quality_table(quality, data, plans, str(run.trainer.features)))
     console.print(assumptions_table(run, plans))
     line = verdict(plans, run.plan.deadline_hours)
     console.print(f"[bold]{line}[/bold]")
