@@ -43,9 +43,8 @@ class ModeEstimate:
     seconds: float  # regeneration, extraction and training
     problem: str | None = None  # why it cannot run on this machine
     max_disk_gb: float | None = None  # window: the extract.max_disk_gb to pass
-    train_tokens_per_second: float = (
-        0.0  # training's rate, the whole machine (online: the target's forward too)
-    )
+    # training's rate on the whole machine (online: the target's forward as well)
+    train_tokens_per_second: float = 0.0
 
     @property
     def feasible(self) -> bool:

@@ -29,7 +29,7 @@ Llama-3.1-8B's H = 4096 than on Kimi-K2.5's 7168) and grows on low-bandwidth car
 Time neither term covers, on GPUs: a narrow head is bound by its many small kernels (norms, rotary, activations,
 attention's bookkeeping), not by its FLOPs. Per TTT step it costs about the same per packed token and per
 micro-batch (launches, host work) whatever the head's width (SmallKernelCosts, calibrated on a 576-wide head,
-where it is most of a step; on 4096- and 7168-wide heads a few percent).
+where it is most of a step; a fifth to a quarter of a 4096-wide head's step, a tenth of a 7168-wide one's).
 
 The layer runs eager or through torch.compile (trainer.compile): each has its own calibrated efficiency.
 Data parallel: each optimizer step all-reduces the fp32 gradients of the trainable parameters over the
