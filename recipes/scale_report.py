@@ -61,7 +61,14 @@ def _taus(rows: dict[str, dict], sets: list[str]) -> str:
     for name, r in rows.items():
         trained = [f"{r['tokens_seen']:,}", str(r["steps"])] if "steps" in r else ["—", "—"]
         timing = [f"{r['train_s']:.0f}", f"{r['tau_sim']:.2f}"] if "train_s" in r else ["—", "—"]
-        cells = [name, r["question"], r["store"], " ".join(r["overrides"]) or "—", *trained, *timing]
+        cells = [
+            _label(name, r),
+            r["question"],
+            r["store"],
+            " ".join(r["overrides"]) or "—",
+            *trained,
+            *timing,
+        ]
         if r.get("sets"):
             for s in sets:
                 ours, ngram = _tau(r, s, "eaglet"), _tau(r, s, "ngram")
@@ -201,7 +208,9 @@ def _ablations(rows: dict[str, dict], sets: list[str]) -> str:
             + _difference_bounds(r, base, s)
             for s in sets
         )
-        lines.append(f"- {name} ({r['question']}) against {r['against']}, equal tokens: Δτ {deltas}")
+        lines.append(
+            f"- {name} ({r['question']}) against {_label(r['against'], base)}, equal tokens: Δτ {deltas}"
+        )
     if not lines:
         return ""
     note = (
@@ -240,6 +249,11 @@ def _left(status: dict[str, str]) -> str:
     if not left:
         return "Every row ran.\n"
     return "## Not run (yet)\n\n" + "\n".join(left) + "\nRerun the same command to continue.\n"
+
+
+def _label(name: str, row: dict) -> str:
+    """The row's name, and the earlier scale.json it was taken from (the recipe's `earlier`) if it was."""
+    return f"{name} (from {row['earlier']})" if row.get("earlier") else name
 
 
 def _tau(row: dict, set_name: str, proposer: str) -> float:

@@ -50,6 +50,12 @@ not started in time are left.
 draft/, brought back) rather than from the target's rows (trainer.init_from): sessions of 30 minutes add their
 steps, each on its own freshly written data; the report's overrides column says so.
 
+`earlier=<scale.json>`: an ablation's reference row that this run does not run (say scale_mid, for ttt7) is taken
+from an earlier run's scale.json (experiments/smollm2_scale.<date>.json), when the store it trained on came out the
+same here (the same sequences, tokens and answer tokens: the data made again with the same seed and options), so
+one session can run `rows=ttt7,greedy_only earlier=...` without training scale_mid again. The report names the
+file beside the row; a store that differs leaves the row out and says why.
+
 `deadline_s=S`: no command starts with less than `min_start_s` seconds left of the S this invocation may run, and
 one still running at S is stopped (every stage resumes: extraction and answers where they were, training from its
 last.ckpt); the invocation then writes the report, says what is left and exits 0. Reissuing the same command
@@ -87,7 +93,7 @@ OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
         "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "4", "gpu": "0",
         "extra": "", "budget_s": "0", "train_tokens_per_s": "230000", "eval_reserve_s": "300",
-        "main_init_from": ""}  # fmt: skip
+        "main_init_from": "", "earlier": ""}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
 # (a row's own win over them), e.g. a CPU smoke run: extra="hardware=cpu dataset=oasst_en100 ...".
 # `train_tokens_per_s`: online training's rate at the experiment's settings over the whole stage, compile,
@@ -97,6 +103,7 @@ OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "
 # validation, export and evaluation; `eval_workers`: evaluation processes side by side on the GPU (eval.workers;
 # one when eval_device=cpu). `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session)
 # that the main head starts from (trainer.init_from): its steps add to that head's; "" = from the target.
+# `earlier`: an earlier run's scale.json, whose rows stand in for those this run's ablations are measured against.
 BUDGET_FILE = "budget.json"
 
 # The shared sets of people's first chat prompts (the rest are maths and code; with ShareGPT's many later turns,
@@ -261,6 +268,14 @@ class Scale:
         """Optimizer steps in which the head sees the option's tokens once."""
         return max(1, round(int(self.opts[tokens_option]) / global_batch_tokens(self.opts)))
 
+    def store_totals(self, store: str) -> dict | None:
+        """The store's totals (sequences, tokens, answer tokens) once it is complete, else None."""
+        return (
+            json.loads((self.store_dir(store) / MANIFEST_FILE).read_text()).get("totals")
+            if self.store_done(store)
+            else None
+        )
+
     def store_done(self, store: str) -> bool:
         manifest = self.store_dir(store) / MANIFEST_FILE
         return manifest.is_file() and json.loads(manifest.read_text()).get("status") == "complete"
@@ -356,8 +371,7 @@ def collect(scale: Scale, rows: list[str]) -> dict:
     gbt = global_batch_tokens(scale.opts)
     stores: dict[str, dict | None] = {}
     for store in dict.fromkeys(ROWS[r].store for r in rows if r in ROWS):
-        manifest = scale.store_dir(store) / MANIFEST_FILE
-        stores[store] = json.loads(manifest.read_text()).get("totals") if scale.store_done(store) else None
+        stores[store] = scale.store_totals(store)
     record: dict[str, dict] = {}
     for name in (r for r in rows if r in ROWS):
         row, run = ROWS[name], RunDir(scale.run_dir(name))
@@ -390,6 +404,46 @@ def collect(scale: Scale, rows: list[str]) -> dict:
             }
         record[SPECULATORS] = entry
     return {"stores": stores, "rows": record}
+
+
+def read_earlier(path: str) -> dict | None:
+    """An earlier run's scale.json (`earlier`), read before any work starts so that a wrong path fails at once."""
+    if not path:
+        return None
+    file = (ROOT / path).resolve()
+    try:
+        earlier = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(
+            f"earlier={path}: cannot read it as a scale.json ({err}); give a recipe's scale.json"
+        ) from err
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), dict) or "stores" not in earlier:
+        raise SystemExit(
+            f"earlier={path}: not a scale.json (it has no rows and stores); give a recipe's scale.json"
+        )
+    return earlier
+
+
+def borrow_earlier(record: dict, earlier: dict, source: str, totals: Callable[[str], dict | None]) -> dict:
+    """The record with the rows its ablations are measured against but that this run lacks, taken from `earlier`
+    where the store they trained on has the same totals here (`totals`) as there. A head trained on the same
+    tokens at the same settings is the reference the ablation needs, whichever run trained it."""
+    rows = dict(record["rows"])
+    for name, row in record["rows"].items():
+        base = row.get("against")
+        if not base or base in rows:
+            continue
+        found = earlier["rows"].get(base)
+        if not found or not found.get("sets"):
+            print(f"{name}: {source} has no evaluated {base} row to measure it against", flush=True)
+            continue
+        here, there = totals(found["store"]), earlier["stores"].get(found["store"])
+        if here is None or here != there:
+            print(f"{name}: {base} of {source} is left out: its store {found['store']!r} holds {there} there and "
+                  f"{here} here (the data differs; make it with the same seed and options)", flush=True)  # fmt: skip
+            continue
+        rows[base] = {**found, "earlier": Path(source).name}
+    return {**record, "rows": rows}
 
 
 def global_batch_tokens(opts: dict[str, str]) -> int:
@@ -442,6 +496,7 @@ def main(argv: list[str]) -> int:
         )
     if SPECULATORS in rows and opts["speculators_row"] not in rows:  # evaluated beside that row's head
         rows.insert(rows.index(SPECULATORS), opts["speculators_row"])
+    earlier = read_earlier(opts["earlier"])
     scale = Scale(opts)
     start = time.time()
     ends = [start + float(opts["deadline_s"])] if float(opts["deadline_s"]) > 0 else []
@@ -449,6 +504,8 @@ def main(argv: list[str]) -> int:
     deadline = min(ends, default=None)
     status = run_tasks(scale.tasks(rows), deadline, float(opts["min_start_s"]))
     record = collect(scale, rows)
+    if earlier is not None:
+        record = borrow_earlier(record, earlier, opts["earlier"], scale.store_totals)
     (scale.out / "scale.json").write_text(json.dumps({**record, "status": status}, indent=1))
     (scale.out / "scale.md").write_text(format_report(record, status))
     left = [name for name, s in status.items() if not s.startswith("done")]

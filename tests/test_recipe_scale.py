@@ -215,3 +215,38 @@ def test_the_budget_sets_the_heads_length_once_and_bounds_every_invocation(recip
     with pytest.raises(DeadlineReached):
         late.budgeted_length(late.run_dir("main"), "main")
     assert scale().budget_end() is None and scale().budgeted_length(run, "main") == []
+
+
+def test_an_ablation_is_measured_against_an_earlier_runs_row_on_the_same_data(recipe, tmp_path: Path) -> None:
+    totals = {"sequences": 3, "tokens": 300, "masked_tokens": 200}
+    evaluated = {"math": {"prompts": 1, "results": {}}}
+    earlier = {"stores": {"main": totals},
+               "rows": {"scale_mid": {"store": "main", "against": None, "steps": 610, "sets": evaluated}}}  # fmt: skip
+    record = {"stores": {"main": totals}, "rows": {"ttt7": {"store": "main", "against": "scale_mid"}}}
+    same = recipe.borrow_earlier(record, earlier, "experiments/e.json", lambda store: totals)
+    assert same["rows"]["scale_mid"] == {**earlier["rows"]["scale_mid"], "earlier": "e.json"}
+    assert list(same["rows"]) == ["ttt7", "scale_mid"] and "scale_mid" not in record["rows"]
+    # Data made otherwise (or not made) is no reference: the row is left out.
+    other = {**totals, "tokens": 301}
+    assert "scale_mid" not in recipe.borrow_earlier(record, earlier, "e.json", lambda store: other)["rows"]
+    assert "scale_mid" not in recipe.borrow_earlier(record, earlier, "e.json", lambda store: None)["rows"]
+    # A row this run has wins over the earlier one, and an earlier row never evaluated stands in for nothing.
+    ran = {**record, "rows": {**record["rows"], "scale_mid": {"store": "main", "steps": 1}}}
+    assert (
+        recipe.borrow_earlier(ran, earlier, "e.json", lambda store: totals)["rows"]["scale_mid"]["steps"] == 1
+    )
+    unevaluated = {**earlier, "rows": {"scale_mid": {"store": "main", "against": None}}}
+    assert (
+        "scale_mid" not in recipe.borrow_earlier(record, unevaluated, "e.json", lambda store: totals)["rows"]
+    )
+
+
+def test_the_earlier_file_is_checked_before_any_work(recipe, tmp_path: Path) -> None:
+    assert recipe.read_earlier("") is None
+    kept = recipe.read_earlier("experiments/smollm2_scale.2026-12-07.json")
+    assert kept is not None and kept["rows"]["scale_mid"]["sets"]
+    with pytest.raises(SystemExit, match=r"earlier=.*missing.json: cannot read it"):
+        recipe.read_earlier(str(tmp_path / "missing.json"))
+    (tmp_path / "other.json").write_text(json.dumps({"sets": {}}))
+    with pytest.raises(SystemExit, match="not a scale.json"):
+        recipe.read_earlier(str(tmp_path / "other.json"))

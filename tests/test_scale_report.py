@@ -102,6 +102,18 @@ def test_ablations_and_the_speculators_column_carry_intervals(report) -> None:
     assert f"code 1.70× ({paired[0]:.2f}-{paired[1]:.2f})" in beside  # 2.81 / 1.66
 
 
+def test_a_row_from_an_earlier_run_is_named_with_its_file(report) -> None:
+    mid = _row(
+        {"code": _set(_results({"eaglet": NEAR_GOAL, "ngram": NGRAM}))},
+        earlier="smollm2_scale.2026-12-07.json",
+    )
+    ttt7 = _row({"code": _set(_results({"eaglet": CLEARLY_TWICE, "ngram": NGRAM}))}, against="scale_mid")
+    text = report.format_report({"stores": {}, "rows": {"ttt7": ttt7, "scale_mid": mid}}, {})
+    assert "| scale_mid (from smollm2_scale.2026-12-07.json) | q |" in text
+    delta = next(line for line in text.splitlines() if line.startswith("- ttt7"))
+    assert "against scale_mid (from smollm2_scale.2026-12-07.json), equal tokens: Δτ code +1.28 (+" in delta
+
+
 def test_results_without_per_prompt_counts_still_report(report) -> None:
     """eval.json written before the intervals: the figures, without intervals."""
     main = _row({"code": _set(_results({"eaglet": CLEARLY_TWICE, "ngram": NGRAM}, keep_counts=False))})
