@@ -226,7 +226,9 @@ def _acceptance(rows: dict[str, dict], sets: list[str]) -> str:
         for s in sets if r.get("sets") else []:
             rates = r["sets"][s]["results"]["eaglet"]["acceptance_rates"]
             lines.append(
-                f"| {name} | {SET_NAMES.get(s, s)} | " + " | ".join(f"{a:.2f}" for a in rates) + " |"
+                f"| {_label(name, r)} | {SET_NAMES.get(s, s)} | "
+                + " | ".join(f"{a:.2f}" for a in rates)
+                + " |"
             )
     first = next((r for r in rows.values() if r.get("sets")), None)
     if first is None:

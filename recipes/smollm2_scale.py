@@ -506,6 +506,7 @@ def main(argv: list[str]) -> int:
     record = collect(scale, rows)
     if earlier is not None:
         record = borrow_earlier(record, earlier, opts["earlier"], scale.store_totals)
+    scale.out.mkdir(parents=True, exist_ok=True)  # nothing may have started
     (scale.out / "scale.json").write_text(json.dumps({**record, "status": status}, indent=1))
     (scale.out / "scale.md").write_text(format_report(record, status))
     left = [name for name, s in status.items() if not s.startswith("done")]

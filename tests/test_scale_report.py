@@ -110,6 +110,9 @@ def test_a_row_from_an_earlier_run_is_named_with_its_file(report) -> None:
     ttt7 = _row({"code": _set(_results({"eaglet": CLEARLY_TWICE, "ngram": NGRAM}))}, against="scale_mid")
     text = report.format_report({"stores": {}, "rows": {"ttt7": ttt7, "scale_mid": mid}}, {})
     assert "| scale_mid (from smollm2_scale.2026-12-07.json) | q |" in text
+    assert (
+        "| scale_mid (from smollm2_scale.2026-12-07.json) | code | 0.50 |" in text
+    )  # acceptance per position
     delta = next(line for line in text.splitlines() if line.startswith("- ttt7"))
     assert "against scale_mid (from smollm2_scale.2026-12-07.json), equal tokens: Δτ code +1.28 (+" in delta
 
