@@ -33,8 +33,9 @@ process (measured 2026-12-04: eval_prompts=20, 80 prompts, ~11 minutes), 146-166
 comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Measured on one H100 (2026-12-07, the head
 compiled, 20 prompts a set): scale_small 1.5 min of training (half of it compiling the head, once per machine)
 and 2.8 of evaluation, scale_mid 1.9 and 2.5, shared_only 1.2 to tokenize its store (the answers reused), 1.1 and
-2.7; the data with 30K self-prompts ~6. Estimated for the other rows: greedy_only ~5 (~2 to tokenize), ttt7 ~4.5,
-seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
+2.7; the data with 30K self-prompts 5-6; greedy_only 1 to tokenize its store, 1.9 and 2.2, ttt7 2.5 (half a
+minute of it compiling the K = 7 head) and 2.2 (eight evaluation workers; a later session, 2026-12-07). Estimated
+for the other rows: seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
 answers to each of ~15K multi-turn conversations, not measured), vocab16384 ~4.5, speculators ~9 (both heads
 trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of
 start-up. Within one 30-minute session (the data made again on a bare machine) the data and the main head fit, or
@@ -91,7 +92,7 @@ from eaglet.shards.manifest import MANIFEST_FILE
 
 OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "", "deadline_s": "0",
         "min_start_s": "45", "main_epochs": "1", "small_tokens": "5000000", "mid_tokens": "20000000",
-        "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "4", "gpu": "0",
+        "speculators_row": "scale_mid", "eval_prompts": "all", "eval_device": "cuda", "eval_workers": "8", "gpu": "0",
         "extra": "", "budget_s": "0", "train_tokens_per_s": "230000", "eval_reserve_s": "300",
         "main_init_from": "", "earlier": ""}  # fmt: skip
 # `rows`: which rows to run (empty: all, in ROWS' order, then speculators); `extra`: overrides for every command
@@ -101,7 +102,7 @@ OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "
 # with one validation, so 230K for a longer run's more validations and checkpoints; experiments/BENCHMARKS.md): the main
 # head's planned steps in the report (its schedule is fitted to the time it is given); `eval_reserve_s`: the head's last
 # validation, export and evaluation; `eval_workers`: evaluation processes side by side on the GPU (eval.workers;
-# one when eval_device=cpu). `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session)
+# one when eval_device=cpu; eight took 133 s for 80 prompts on an H100 where four took 146-166 s). `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session)
 # that the main head starts from (trainer.init_from): its steps add to that head's; "" = from the target.
 # `earlier`: an earlier run's scale.json, whose rows stand in for those this run's ablations are measured against.
 BUDGET_FILE = "budget.json"

@@ -69,6 +69,13 @@ def write_scale(path: Path) -> Path:
             "sets": sets(alpaca=(9.0, 1.0)),
         },
         "not_trained": {"sets": sets(alpaca=(9.0, 1.0))},
+        # a row the recipe copied from an earlier run's scale.json (`earlier=`): counted where it was measured
+        "copied": {
+            "steps": 50,
+            "tokens_seen": 1_638_400,
+            "sets": sets(alpaca=(9.0, 1.0)),
+            "earlier": "scale.2026-12-07.json",
+        },
     }
     path.write_text(json.dumps({"stores": {"main": {"tokens": 1000}}, "rows": rows}))
     return path
@@ -112,7 +119,7 @@ def test_fit_needs_two_token_counts():
 # ---- reading -----------------------------------------------------------------------------------------------
 
 
-def test_read_scale_json_skips_rows_not_evaluated_and_ablations(tmp_path: Path):
+def test_read_scale_json_skips_rows_not_evaluated_ablations_and_copies(tmp_path: Path):
     path = write_scale(tmp_path / "scale.json")
     heads = read_measured(str(path), PlanQualityConfig())
     assert [h.label for h in heads] == [f"{path}:main", f"{path}:half"]

@@ -126,6 +126,8 @@ def heads_from_rows(
             continue  # not trained or not evaluated
         if not on_the_curve(entry):
             continue  # an ablation, or a head continued from another: not the same settings on fewer tokens
+        if entry.get("earlier"):
+            continue  # a copy of an earlier run's row (the recipe's `earlier=`): measured once, counted once
         label = f"{prefix}{row}"
         tokens = entry.get("tokens_seen")
         if not isinstance(tokens, int | float) or tokens <= 0:
