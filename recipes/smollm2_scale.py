@@ -102,8 +102,9 @@ OPTS = {"experiment": "smollm2_scale", "out": "outputs/smollm2_scale", "rows": "
 # with one validation, so 230K for a longer run's more validations and checkpoints; experiments/BENCHMARKS.md): the main
 # head's planned steps in the report (its schedule is fitted to the time it is given); `eval_reserve_s`: the head's last
 # validation, export and evaluation; `eval_workers`: evaluation processes side by side on the GPU (eval.workers;
-# one when eval_device=cpu; eight took 133 s for 80 prompts on an H100 where four took 146-166 s). `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session)
-# that the main head starts from (trainer.init_from): its steps add to that head's; "" = from the target.
+# one when eval_device=cpu; eight took 133 s for 80 prompts on an H100 where four took 146-166 s).
+# `main_init_from`: a trained head's folder (a main row's draft/ of an earlier session) that the main head starts
+# from (trainer.init_from): its steps add to that head's; "" = from the target.
 # `earlier`: an earlier run's scale.json, whose rows stand in for those this run's ablations are measured against.
 BUDGET_FILE = "budget.json"
 
