@@ -270,17 +270,18 @@ class Scale:
         """Optimizer steps in which the head sees the option's tokens once."""
         return max(1, round(int(self.opts[tokens_option]) / global_batch_tokens(self.opts)))
 
+    def store_manifest(self, store: str) -> dict:
+        """The store's manifest, {} before extraction wrote one."""
+        manifest = self.store_dir(store) / MANIFEST_FILE
+        return json.loads(manifest.read_text()) if manifest.is_file() else {}
+
     def store_totals(self, store: str) -> dict | None:
         """The store's totals (sequences, tokens, answer tokens) once it is complete, else None."""
-        return (
-            json.loads((self.store_dir(store) / MANIFEST_FILE).read_text()).get("totals")
-            if self.store_done(store)
-            else None
-        )
+        manifest = self.store_manifest(store)
+        return manifest.get("totals") if manifest.get("status") == "complete" else None
 
     def store_done(self, store: str) -> bool:
-        manifest = self.store_dir(store) / MANIFEST_FILE
-        return manifest.is_file() and json.loads(manifest.read_text()).get("status") == "complete"
+        return self.store_manifest(store).get("status") == "complete"
 
     def extract(self, store: str, deadline: float | None) -> None:
         cmd = [sys.executable, "-u", "extract.py", *self.common(self.store_overrides(store))]
