@@ -11,6 +11,7 @@ from eaglet.config.schema import PlanQualityConfig
 from eaglet.errors import ConfigError
 from eaglet.evaluate.intervals import difference_interval, ratio_interval
 from eaglet.plan.quality import fit_sets, heads_from_rows
+from eaglet.plan.report import format_tokens
 
 SET_NAMES = {"mt_bench_like": "chat", "alpaca": "instructions (Alpaca)", "code": "code", "math": "maths"}
 # τ at K = 4: at least these multiples of n-gram lookup's, per set; and of the speculators head's.
@@ -135,7 +136,8 @@ def _goal(rows: dict[str, dict], sets: list[str]) -> str:
 
 def _scaling(rows: dict[str, dict]) -> str:
     """τ against log2 of tokens seen over the rows at the experiment's own settings (scale_small, scale_mid, main)."""
-    heads = heads_from_rows(rows, PlanQualityConfig(), "the recipe's rows")
+    heads = heads_from_rows(rows, PlanQualityConfig(), "the recipe's rows", with_copies=True)
+    heads.sort(key=lambda h: h.tokens)
     try:
         fits = fit_sets(heads)
     except ConfigError:
@@ -153,7 +155,7 @@ def _scaling(rows: dict[str, dict]) -> str:
             reach = "—"
         else:
             needed = fit.tokens_for(goal * fit.baseline_tau)
-            reach = f"{needed / 1e6:,.3g}M ({goal}×)" if needed else f"never on this line ({goal}×)"
+            reach = f"{format_tokens(needed)} ({goal}×)" if needed else f"never on this line ({goal}×)"
         lines.append(f"| {SET_NAMES.get(fit.name, fit.name)} | {fit.slope_per_doubling:+.2f} | {reach} |")
     lines.append(
         "\nA line through few points, extrapolated past them. `python plan.py plan.quality.measured=[<out>/scale.json]` "

@@ -54,8 +54,9 @@ steps, each on its own freshly written data; the report's overrides column says 
 `earlier=<scale.json>`: an ablation's reference row that this run does not run (say scale_mid, for ttt7) is taken
 from an earlier run's scale.json (experiments/smollm2_scale.<date>.json), when the store it trained on came out the
 same here (the same sequences, tokens and answer tokens: the data made again with the same seed and options), so
-one session can run `rows=ttt7,greedy_only earlier=...` without training scale_mid again. The report names the
-file beside the row; a store that differs leaves the row out and says why.
+one session can run `rows=ttt7,greedy_only earlier=...` without training scale_mid again. A run of a data-scaling
+row (scale_small, scale_mid, main) takes the others from there too, so that `rows=main earlier=...` reports the
+whole curve. The report names the file beside the row; a store that differs leaves the row out and says why.
 
 `deadline_s=S`: no command starts with less than `min_start_s` seconds left of the S this invocation may run, and
 one still running at S is stopped (every stage resumes: extraction and answers where they were, training from its
@@ -87,6 +88,7 @@ from smollm2_gpu import (
 )
 
 from eaglet.config import CONF_DIR
+from eaglet.plan.quality import on_the_curve
 from eaglet.run_dir import RunDir
 from eaglet.shards.manifest import MANIFEST_FILE
 
@@ -181,6 +183,7 @@ ROWS: dict[str, Row] = {
         "draft vocab 16384", overrides=("draft.vocab_size=16384",), tokens="mid_tokens", against="scale_mid"
     ),
 }
+CURVE = ("scale_small", "scale_mid", "main")  # the data-scaling rows: the same settings on more tokens
 
 
 @dataclass
@@ -428,21 +431,28 @@ def read_earlier(path: str) -> dict | None:
 
 
 def borrow_earlier(record: dict, earlier: dict, source: str, totals: Callable[[str], dict | None]) -> dict:
-    """The record with the rows its ablations are measured against but that this run lacks, taken from `earlier`
-    where the store they trained on has the same totals here (`totals`) as there. A head trained on the same
-    tokens at the same settings is the reference the ablation needs, whichever run trained it."""
+    """The record with the rows its ablations are measured against, and the data-scaling rows (CURVE), that this
+    run lacks, taken from `earlier` where the store they trained on has the same totals here (`totals`) as there.
+    A head trained on the same tokens at the same settings is the reference the ablation needs, and a point of the
+    same curve, whichever run trained it."""
     rows = dict(record["rows"])
-    for name, row in record["rows"].items():
-        base = row.get("against")
-        if not base or base in rows:
+    wanted = {row["against"]: name for name, row in record["rows"].items() if row.get("against")}
+    ran_on_curve = any(name in CURVE for name in record["rows"])
+    for base in [*wanted, *(CURVE if ran_on_curve else ())]:
+        if base in rows:
             continue
         found = earlier["rows"].get(base)
         if not found or not found.get("sets"):
-            print(f"{name}: {source} has no evaluated {base} row to measure it against", flush=True)
+            if base in wanted:
+                print(
+                    f"{wanted[base]}: {source} has no evaluated {base} row to measure it against", flush=True
+                )
             continue
+        if base not in wanted and not on_the_curve(found):
+            continue  # a continued head there is no point of this curve
         here, there = totals(found["store"]), earlier["stores"].get(found["store"])
         if here is None or here != there:
-            print(f"{name}: {base} of {source} is left out: its store {found['store']!r} holds {there} there and "
+            print(f"{wanted.get(base, 'data scaling')}: {base} of {source} is left out: its store {found['store']!r} holds {there} there and "
                   f"{here} here (the data differs; make it with the same seed and options)", flush=True)  # fmt: skip
             continue
         rows[base] = {**found, "earlier": Path(source).name}

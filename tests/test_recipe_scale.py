@@ -241,6 +241,34 @@ def test_an_ablation_is_measured_against_an_earlier_runs_row_on_the_same_data(re
     )
 
 
+def test_a_data_scaling_row_takes_the_rest_of_its_curve_from_an_earlier_run(recipe) -> None:
+    totals = {"sequences": 3, "tokens": 300, "masked_tokens": 200}
+    evaluated = {"math": {"prompts": 1, "results": {}}}
+    curve = {"store": "main", "overrides": [], "against": None, "sets": evaluated}
+    earlier = {"stores": {"main": totals}, "rows": {
+        "scale_small": {**curve, "steps": 153}, "scale_mid": {**curve, "steps": 610},
+        "main": {**curve, "steps": 900, "overrides": ["trainer.init_from=/heads/h"]},  # continued: off the curve
+        "ttt7": {**curve, "steps": 610, "overrides": ["trainer.ttt_steps=7"], "against": "scale_mid"}}}  # fmt: skip
+    ran_main = {"stores": {"main": totals}, "rows": {"main": {**curve, "steps": 7200}}}
+    rows = recipe.borrow_earlier(ran_main, earlier, "e.json", lambda store: totals)["rows"]
+    assert list(rows) == ["main", "scale_small", "scale_mid"]
+    assert rows["main"]["steps"] == 7200 and rows["scale_mid"] == {
+        **earlier["rows"]["scale_mid"],
+        "earlier": "e.json",
+    }
+    # A continued head there is no point of this curve.
+    ran_small = {"stores": {"main": totals}, "rows": {"scale_small": {**curve, "steps": 153}}}
+    assert list(recipe.borrow_earlier(ran_small, earlier, "e.json", lambda store: totals)["rows"]) == [
+        "scale_small", "scale_mid"]  # fmt: skip
+    # Only ablations run: no curve to complete, only their reference.
+    ablation = {"stores": {"main": totals}, "rows": {"ttt7": {**curve, "against": "scale_mid"}}}
+    assert list(recipe.borrow_earlier(ablation, earlier, "e.json", lambda store: totals)["rows"]) == [
+        "ttt7", "scale_mid"]  # fmt: skip
+    # Other data: no point of this curve.
+    other = {**totals, "tokens": 301}
+    assert list(recipe.borrow_earlier(ran_main, earlier, "e.json", lambda store: other)["rows"]) == ["main"]
+
+
 def test_the_earlier_file_is_checked_before_any_work(recipe, tmp_path: Path) -> None:
     assert recipe.read_earlier("") is None
     kept = recipe.read_earlier("experiments/smollm2_scale.2026-12-07.json")

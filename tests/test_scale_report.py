@@ -136,6 +136,9 @@ def test_data_scaling_fits_the_rows_at_the_experiments_own_settings(report) -> N
     line = next(line for line in text.splitlines() if line.startswith("| code | +"))
     assert line.startswith("| code | +0.64 |")  # (4.09 - 2.81) over two doublings
     # 1.5 × n-gram's 1.66 = 2.48 lies below the smaller head's 2.81: reached before 1M tokens
-    assert line.endswith("M (1.5×) |") and float(line.split("|")[3].split("M")[0]) < 1.0
+    assert line.endswith("K (1.5×) |") and float(line.split("|")[3].split("K")[0]) < 1000
+    # A row taken from an earlier run (`earlier=`) is a point of this report's curve.
+    copied = {**rows, "scale_mid": {**mid, "earlier": "smollm2_scale.2026-12-07.json"}}
+    assert "| code | +0.64 |" in report.format_report({"stores": {}, "rows": copied}, {})
     only_one = report.format_report({"stores": {}, "rows": {"scale_small": small}}, {})
     assert "Data scaling" not in only_one  # one token count: no line

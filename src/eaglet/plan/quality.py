@@ -116,9 +116,15 @@ def on_the_curve(row: dict) -> bool:
 
 
 def heads_from_rows(
-    rows: dict, cfg: PlanQualityConfig, where: str, prefix: str = "", before: dict[str, float] | None = None
+    rows: dict,
+    cfg: PlanQualityConfig,
+    where: str,
+    prefix: str = "",
+    before: dict[str, float] | None = None,
+    with_copies: bool = False,
 ) -> list[MeasuredHead]:
-    """The heads of a recipe's rows (scale.json's "rows"), labelled prefix + row name; rows off the curve skipped."""
+    """The heads of a recipe's rows (scale.json's "rows"), labelled prefix + row name; rows off the curve skipped,
+    and rows copied from an earlier run unless `with_copies` (one report's own curve, not a fit over files)."""
     before = before or {}
     heads = []
     for row, entry in rows.items():
@@ -126,7 +132,7 @@ def heads_from_rows(
             continue  # not trained or not evaluated
         if not on_the_curve(entry):
             continue  # an ablation, or a head continued from another: not the same settings on fewer tokens
-        if entry.get("earlier"):
+        if entry.get("earlier") and not with_copies:
             continue  # a copy of an earlier run's row (the recipe's `earlier=`): measured once, counted once
         label = f"{prefix}{row}"
         tokens = entry.get("tokens_seen")

@@ -306,7 +306,7 @@ def assumptions_table(run: PlannedRun, plans: list[HardwarePlan]) -> Table:
     return table
 
 
-def _tokens(n: float) -> str:
+def format_tokens(n: float) -> str:
     for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
             return f"{n / scale:,.3g}{suffix}"
@@ -325,7 +325,7 @@ def quality_table(
             f"{len(quality.heads)} measured heads)"
         ),
         caption=(
-            f"this plan trains on {_tokens(planned)} tokens ({data.tokens:,.0f} × {plans[0].training.epochs} "
+            f"this plan trains on {format_tokens(planned)} tokens ({data.tokens:,.0f} × {plans[0].training.epochs} "
             "epoch(s)); the line extrapolates past the measured range, and it holds for the measured target "
             "and data only"
         ),
@@ -359,7 +359,7 @@ def quality_table(
             if needed is None:
                 needed_text, times = "never on this line", ["never on this line"] * len(rates)
             else:
-                needed_text = _tokens(needed)
+                needed_text = format_tokens(needed)
                 times = ["met" if needed <= planned else _hours(needed / rate) for rate in rates]
         table.add_row(
             fit.name,
