@@ -15,6 +15,9 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 - shared_only: shared prompts only (no self-prompted ones), `small_tokens` tokens: against scale_small.
 - greedy_only: greedy answers only (no sampled ones), `mid_tokens` tokens: against scale_mid.
 - ttt7:   K = 7 training steps instead of 5, `mid_tokens` tokens: against scale_mid.
+- quarter_data: a fixed random quarter of the training sequences (trainer.train_fraction=0.25), `mid_tokens` tokens:
+          against scale_mid, at equal tokens seen, what repeats cost against new data (on the 29.6M-token seeded
+          store each sequence is seen ~2.8 times, against scale_mid's 0.7).
 - seeded: the self-prompts written after three people's chat prompts each (extract.self_prompt.examples=3 from the
           shared chat sets, temperature 0.7), `mid_tokens` tokens: against scale_mid.
 - people_x4: four answers (greedy and three sampled) to every shared prompt, the self-prompts' greedy ones only,
@@ -35,7 +38,7 @@ compiled, 20 prompts a set): scale_small 1.5 min of training (half of it compili
 and 2.8 of evaluation, scale_mid 1.9 and 2.5, shared_only 1.2 to tokenize its store (the answers reused), 1.1 and
 2.7; the data with 30K self-prompts 5-6; greedy_only 1 to tokenize its store, 1.9 and 2.2, ttt7 2.5 (half a
 minute of it compiling the K = 7 head) and 2.2 (eight evaluation workers; a later session, 2026-12-07). Estimated
-for the other rows: seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
+for the other rows: quarter_data ~4 (as scale_mid), seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
 answers to each of ~15K multi-turn conversations, not measured), vocab16384 ~4.5, speculators ~9 (both heads
 trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of
 start-up. Within one 30-minute session (the data made again on a bare machine) the data and the main head fit, or
@@ -162,6 +165,13 @@ ROWS: dict[str, Row] = {
     "greedy_only": Row("greedy answers only", store="greedy_only", tokens="mid_tokens", against="scale_mid"),
     "ttt7": Row(
         "K = 7 TTT steps", overrides=("trainer.ttt_steps=7",), tokens="mid_tokens", against="scale_mid"
+    ),
+    # Every main head so far saw one store several times: what does a repeated token buy against a new one?
+    "quarter_data": Row(
+        "a quarter of the data, repeated",
+        overrides=("trainer.train_fraction=0.25",),
+        tokens="mid_tokens",
+        against="scale_mid",
     ),
     # The target is as sure of its answers to people's chat prompts as of those to its own prompts, yet the head
     # drafts the former far worse: a data gap (BENCHMARKS.md, "How sure the target is of its answers").

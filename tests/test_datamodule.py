@@ -66,6 +66,19 @@ def test_setup_splits_and_reports_statistics(shard_dir: Path) -> None:
         _ = ShardDataModule(shard_dir, BUDGET, 0.1, 0, 0).train_tokens
 
 
+def test_a_training_share_trains_on_fewer_sequences_and_validates_on_all(shard_dir: Path) -> None:
+    whole, half = make_module(shard_dir), make_module(shard_dir, train_fraction=0.5)
+    assert np.array_equal(half._val_idx, whole._val_idx)
+    assert set(half._train_idx) < set(whole._train_idx) and half.num_train_sequences >= 1
+    lengths = ShardReader(shard_dir).lengths
+    assert half.train_tokens == int(np.minimum(lengths[half._train_idx], BUDGET).sum())
+    reader = ShardReader(shard_dir)
+    tokens = Counter()
+    for batch in half.train_dataloader():  # an epoch is the share, each sequence once
+        tokens.update(batch["input_ids"][: int(batch["num_real_tokens"])].tolist())
+    assert tokens == Counter(int(t) for i in half._train_idx for t in reader.sequence(int(i))["input_ids"])
+
+
 def test_loaders_yield_static_packed_rows_covering_each_split_once(shard_dir: Path) -> None:
     module = make_module(shard_dir, feature_dtype="float32")
     reader = ShardReader(shard_dir)

@@ -26,7 +26,7 @@ from eaglet.train.packing import (
     packed_buffers,
     packing_efficiency,
 )
-from eaglet.train.sampler import PackedBatchSampler, balance_bins, split_by_sample_id
+from eaglet.train.sampler import PackedBatchSampler, balance_bins, split_by_sample_id, subset_by_sample_id
 
 N_AUX, H = 3, 8
 BUDGET = 64
@@ -147,6 +147,31 @@ def test_split_is_deterministic_disjoint_and_stable_when_data_is_appended() -> N
     assert np.array_equal(val_more[val_more < len(ids)], val)
     _, other_seed = split_by_sample_id(ids, 0.1, seed=1)
     assert not np.array_equal(other_seed, val)
+
+
+def test_a_training_share_is_a_fixed_random_subset_nested_and_stable_when_data_is_appended() -> None:
+    ids = np.arange(500, 10500, 5, dtype=np.int64)  # 2000 sequences
+    train, val = split_by_sample_id(ids, 0.1, seed=0)
+    quarter = subset_by_sample_id(ids, train, 0.25, seed=0)
+    assert set(quarter) <= set(train) and np.all(np.diff(quarter) > 0)
+    assert 0.20 * len(train) <= len(quarter) <= 0.30 * len(train)
+    # Another draw than the split's: the share is no slice of the ids, and the held-out side plays no part.
+    assert not np.array_equal(quarter, train[: len(quarter)])
+    whole = subset_by_sample_id(ids, np.arange(len(ids)), 0.25, seed=0)
+    assert np.array_equal(np.intersect1d(whole, train), quarter)
+    # A smaller share lies inside a larger one; the same seed gives the same share; another seed, another.
+    assert set(subset_by_sample_id(ids, train, 0.1, seed=0)) <= set(quarter)
+    assert np.array_equal(subset_by_sample_id(ids, train, 0.25, seed=0), quarter)
+    assert not np.array_equal(subset_by_sample_id(ids, train, 0.25, seed=1), quarter)
+    # Appending sequences keeps every existing one on its side.
+    more = np.concatenate([ids, np.arange(20000, 20400, dtype=np.int64)])
+    more_quarter = subset_by_sample_id(more, np.arange(len(more)), 0.25, seed=0)
+    assert np.array_equal(more_quarter[more_quarter < len(ids)], whole)
+    # All of it, at least one sequence, and a share out of range named.
+    assert np.array_equal(subset_by_sample_id(ids, train, 1.0, seed=0), train)
+    assert len(subset_by_sample_id(ids, train, 1e-9, seed=0)) == 1
+    with pytest.raises(ConfigError, match=r"train_fraction must be in \(0, 1\], got 0"):
+        subset_by_sample_id(ids, train, 0.0, seed=0)
 
 
 def test_split_holds_out_at_least_one_sequence_and_reports_empty_sides() -> None:

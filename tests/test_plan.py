@@ -216,6 +216,11 @@ def test_training_time_per_epoch():
     estimate = estimate_training(shape, hardware, trainer, efficiency=0.5, bandwidth_efficiency=1.0, **common)
     assert estimate.tokens_per_second == pytest.approx(0.5e6 / 2068, rel=1e-6)
     assert estimate.seconds_per_epoch == pytest.approx(1000 / (0.5e6 / 2068), rel=1e-6)
+    # An epoch of a quarter of the sequences (trainer.train_fraction) takes a quarter of the time.
+    quarter = dataclasses.replace(trainer, train_fraction=0.25)
+    assert estimate_training(
+        shape, hardware, quarter, efficiency=0.5, bandwidth_efficiency=1.0, **common
+    ).seconds_per_epoch == pytest.approx(estimate.seconds_per_epoch / 4)
     # Starved of bandwidth (1 B/s at half), a token takes its loss bytes' time on top.
     starved = dataclasses.replace(hardware, memory_bandwidth_gbs=1e-9)
     slow_memory = estimate_training(

@@ -217,6 +217,17 @@ def test_the_budget_sets_the_heads_length_once_and_bounds_every_invocation(recip
     assert scale().budget_end() is None and scale().budgeted_length(run, "main") == []
 
 
+def test_every_rows_commands_compose(recipe, compose) -> None:
+    """A row's overrides are checked as train.py checks them: a wrong key or value fails here, not on a GPU."""
+    scale = recipe.Scale(recipe.OPTS)
+    for name in recipe.ROWS:
+        cfg = compose(*scale.common(scale.row_overrides(name)))
+        tokens = recipe.ROWS[name].tokens
+        assert cfg.trainer.max_steps == (-1 if tokens is None else scale.steps(tokens)), name
+    quarter = compose(*scale.common(scale.row_overrides("quarter_data")))
+    assert quarter.trainer.train_fraction == 0.25 and quarter.trainer.ttt_steps == 5
+
+
 def test_an_ablation_is_measured_against_an_earlier_runs_row_on_the_same_data(recipe, tmp_path: Path) -> None:
     totals = {"sequences": 3, "tokens": 300, "masked_tokens": 200}
     evaluated = {"math": {"prompts": 1, "results": {}}}

@@ -23,6 +23,8 @@ VALUE_CHECKS = [
     ("trainer.checkpoint_every_n_steps=0", "trainer.checkpoint_every_n_steps must be >= 1"),
     ("trainer.feature_noise_std=-0.1", "trainer.feature_noise_std must be >= 0"),
     ("trainer.val_fraction=-0.1", "trainer.val_fraction must be in [0, 1)"),
+    ("trainer.train_fraction=0", "trainer.train_fraction must be in (0, 1]"),
+    ("trainer.train_fraction=1.5", "trainer.train_fraction must be in (0, 1]"),
     ("hardware.tokens_per_device=0", "hardware.tokens_per_device must be >= 1"),
     ("hardware.memory_gb_per_device=-1", "hardware.memory_gb_per_device must be >= 0"),
     ("draft.rms_norm_eps=0", "draft.rms_norm_eps must be > 0"),
@@ -94,6 +96,12 @@ def test_a_value_out_of_range_fails_after_composition_naming_the_key(
 def test_the_shipped_configs_pass_every_value_check(compose) -> None:
     compose()
     compose("extract.backend=vllm", "extract.vllm.max_model_len=4096", "extract.max_length=2048")
+
+
+def test_a_share_of_the_training_split_is_refused_to_window_training(compose) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.train_fraction=0.5 .*window training never holds"):
+        compose("trainer.features=window", "trainer.train_fraction=0.5")
+    assert compose("trainer.features=online", "trainer.train_fraction=0.5").trainer.train_fraction == 0.5
 
 
 def test_vllm_context_must_hold_the_longest_prompt(compose) -> None:

@@ -147,6 +147,12 @@ def check_trainer(tr: TrainerConfig) -> None:
         "trainer", {"warmup_ratio": tr.warmup_ratio}, "[0, 1)", hint=" (the share of steps spent warming up)"
     )
     within("trainer", {"val_fraction": tr.val_fraction}, "[0, 1)", hint=" (0 = no validation)")
+    within("trainer", {"train_fraction": tr.train_fraction}, "(0, 1]", hint=" (1 = every training sequence)")
+    if tr.train_fraction < 1 and tr.features == TrainFeatures.window:
+        raise ConfigError(
+            f"trainer.train_fraction={tr.train_fraction} takes a share of the whole training split, which window "
+            "training never holds at once: use trainer.features=shards or online, or trainer.train_fraction=1"
+        )
     if tr.online_overlap and (tr.features != TrainFeatures.online or tr.num_workers or not tr.loader_threads):
         raise ConfigError(
             "trainer.online_overlap=true runs the target in the loader's threads of online training: it needs "

@@ -360,6 +360,10 @@ class TrainerConfig:
     # Tokens per optimizer step, summed over devices and accumulation; the same on every hardware.
     global_batch_tokens: int = 8192
     val_fraction: float = 0.05
+    # Train on a fixed random share of the training split (by a hash of each sequence's id; validation
+    # unchanged): fewer distinct sequences, repeated over more epochs, at the same tokens seen. For measuring
+    # what new data buys against repeats (recipes/smollm2_scale.py's quarter_data row); 1 = all of it.
+    train_fraction: float = 1.0
     val_every_n_steps: int = 50
     # last.ckpt is refreshed this often (optimizer steps), so a killed run loses little.
     checkpoint_every_n_steps: int = 50

@@ -93,7 +93,7 @@ def estimate_modes(
 
     world = hardware.devices * hardware.num_nodes
     forward, _ = prefill_seconds_per_token(model, hardware, 1, data.mean_context, plan)
-    trained = data.tokens * (1.0 - trainer.val_fraction)
+    trained = data.tokens * (1.0 - trainer.val_fraction) * trainer.train_fraction
     online_seconds = regeneration_seconds + training.seconds + trainer.max_epochs * trained * forward / world
     online_disk = TOKEN_BYTES_PER_TOKEN * data.tokens + counts
     weights = target_weight_bytes(model, BF16)

@@ -277,7 +277,7 @@ def estimate_training(
         GRADIENT_BYTES * shape.trainable_params, world, hardware.interconnect_bandwidth_gbs
     )
     step = max(compute, allreduce)
-    trained = tokens * (1.0 - trainer.val_fraction)
+    trained = tokens * (1.0 - trainer.val_fraction) * trainer.train_fraction
     return TrainingEstimate(
         flops_per_token=flops,
         loss_bytes_per_token=moved,

@@ -19,7 +19,7 @@ from eaglet.errors import ConfigError, DataError
 from eaglet.shards import STORED_DTYPES, Manifest, ShardReader
 from eaglet.train.packing import collate_packed, count_truncated, pack_sequences, packing_efficiency
 from eaglet.train.prefetch import DeviceCopier, PrefetchLoader
-from eaglet.train.sampler import PackedBatchSampler, split_by_sample_id
+from eaglet.train.sampler import PackedBatchSampler, split_by_sample_id, subset_by_sample_id
 
 # A float is inf or NaN when all its exponent bits are set: its bits without the sign are >= the exponent mask.
 # Read as signed integers, such positive values are >= the mask; read as unsigned, such negative ones are
@@ -140,6 +140,7 @@ class ShardDataModule(LightningDataModule):
         *,
         check_finite: bool = False,
         loader_threads: int = 2,
+        train_fraction: float = 1.0,
     ) -> None:
         super().__init__()
         if tokens_per_batch < 1:
@@ -153,6 +154,7 @@ class ShardDataModule(LightningDataModule):
         self.shard_dir = Path(shard_dir)
         self.tokens_per_batch = tokens_per_batch
         self.val_fraction = val_fraction
+        self.train_fraction = train_fraction
         self.seed = seed
         self.num_workers = num_workers
         self.loader_threads = loader_threads
@@ -177,6 +179,10 @@ class ShardDataModule(LightningDataModule):
         dataset = self._open_dataset()
         reader = dataset.reader
         self._train_idx, self._val_idx = split_by_sample_id(reader.sample_ids, self.val_fraction, self.seed)
+        # trainer.train_fraction: a fixed share of the training split, so that more epochs repeat fewer sequences
+        self._train_idx = subset_by_sample_id(
+            reader.sample_ids, self._train_idx, self.train_fraction, self.seed
+        )
         self._dataset = dataset
         self._train_bins = pack_sequences(
             reader.lengths, self._train_idx, self.tokens_per_batch, self.seed, 0

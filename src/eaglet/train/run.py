@@ -240,6 +240,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             shards,
             tokens_per_batch=plan.tokens_per_device,
             val_fraction=tr.val_fraction,
+            train_fraction=tr.train_fraction,
             seed=cfg.seed,
             num_workers=tr.num_workers,
             check_finite=True,

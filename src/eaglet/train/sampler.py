@@ -52,6 +52,25 @@ def split_by_sample_id(
     return train.astype(np.int64), val.astype(np.int64)
 
 
+def subset_by_sample_id(
+    sample_ids: np.ndarray, positions: np.ndarray, fraction: float, seed: int
+) -> np.ndarray:
+    """The positions whose sequence falls in a fixed random `fraction` of them, by a hash of (sample id, seed)
+    independent of the validation split's: the same sequences whatever else the data holds, so a smaller share
+    is a subset of a larger one. At least one position is kept."""
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"train_fraction must be in (0, 1], got {fraction}")
+    if fraction == 1.0 or len(positions) == 0:
+        return positions
+    ids = np.asarray(sample_ids, dtype=np.int64)[positions].astype(np.uint64)
+    salt = np.uint64((seed ^ 0x5EED_F4AC_7105) % 2**64)  # another draw than the split's
+    uniform = (_mix64(_mix64(ids) ^ salt) >> np.uint64(11)).astype(np.float64) / float(2**53)
+    keep = uniform < fraction
+    if not keep.any():
+        keep[np.argmin(uniform)] = True
+    return positions[keep]
+
+
 def balance_bins(bins: list[list[int]], world_size: int) -> list[list[int]]:
     """Make the number of bins a multiple of `world_size`, so that every rank runs the same number of steps.
 
