@@ -313,6 +313,10 @@ class Scale:
     def tasks(self, rows: list[str]) -> list[Task]:
         """Every command of the chosen rows, most important first."""
         tasks: list[Task] = []
+        # The speculators head is evaluated beside its row's head, which that evaluation decodes too: the row's own
+        # evaluation comes last (and is then done), so it runs only if the speculators head failed.
+        beside = self.opts["speculators_row"] if SPECULATORS in rows else None
+        deferred: list[Task] = []
         for name in rows:
             if name == SPECULATORS:
                 tasks += self.speculators_tasks()
@@ -336,7 +340,7 @@ class Scale:
             tasks.append(
                 Task(f"train:{name}", RunDir(run).report_file.is_file, train_row, (f"data:{store}",))
             )
-            tasks.append(
+            (deferred if name == beside else tasks).append(
                 Task(
                     f"eval:{name}",
                     RunDir(run).results_file.is_file,
@@ -344,7 +348,7 @@ class Scale:
                     (f"train:{name}",),
                 )  # fmt: skip
             )
-        return tasks
+        return tasks + deferred
 
     def speculators_tasks(self) -> list[Task]:
         """Train the speculators head on the data and steps of `speculators_row`, then evaluate it beside that

@@ -167,6 +167,11 @@ def test_rows_see_their_tokens_once(recipe) -> None:
         "data:main", "train:main", "eval:main", "train:ttt7", "eval:ttt7"
     ]  # fmt: skip
     assert not [o for o in scale.row_overrides("main") if o.startswith("trainer.init_from")]
+    # The speculators head's evaluation decodes its row's head too: the row's own evaluation comes last.
+    assert [t.name for t in scale.tasks(["scale_mid", "speculators", "ttt7"])] == [
+        "data:main", "train:scale_mid", "train:speculators", "eval:speculators", "train:ttt7", "eval:ttt7",
+        "eval:scale_mid"
+    ]  # fmt: skip
 
 
 def test_the_main_head_can_continue_an_earlier_one(recipe, tmp_path: Path) -> None:
