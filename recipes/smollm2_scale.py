@@ -37,7 +37,8 @@ comes back as a folder: evaluate.py eval.run=<it> eval.device=cpu). Measured on 
 compiled, 20 prompts a set): scale_small 1.5 min of training (half of it compiling the head, once per machine)
 and 2.8 of evaluation, scale_mid 1.9 and 2.5, shared_only 1.2 to tokenize its store (the answers reused), 1.1 and
 2.7; the data with 30K self-prompts 5-6; greedy_only 1 to tokenize its store, 1.9 and 2.2, ttt7 2.5 (half a
-minute of it compiling the K = 7 head) and 2.2 (eight evaluation workers; a later session, 2026-12-07). Estimated
+minute of it compiling the K = 7 head) and 2.2 (eight evaluation workers; a later session, 2026-12-07); the data
+4.1 and main at 8 epochs 18 (7,200 steps, 236M tokens at 228K tokens/s over the run) and 2.2 (a third). Estimated
 for the other rows: quarter_data ~4 (as scale_mid), seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
 answers to each of ~15K multi-turn conversations, not measured), vocab16384 ~4.5, speculators ~9 (both heads
 trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of
