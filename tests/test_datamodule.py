@@ -70,9 +70,8 @@ def test_a_training_share_trains_on_fewer_sequences_and_validates_on_all(shard_d
     whole, half = make_module(shard_dir), make_module(shard_dir, train_fraction=0.5)
     assert np.array_equal(half._val_idx, whole._val_idx)
     assert set(half._train_idx) < set(whole._train_idx) and half.num_train_sequences >= 1
-    lengths = ShardReader(shard_dir).lengths
-    assert half.train_tokens == int(np.minimum(lengths[half._train_idx], BUDGET).sum())
     reader = ShardReader(shard_dir)
+    assert half.train_tokens == int(np.minimum(reader.lengths[half._train_idx], BUDGET).sum())
     tokens = Counter()
     for batch in half.train_dataloader():  # an epoch is the share, each sequence once
         tokens.update(batch["input_ids"][: int(batch["num_real_tokens"])].tolist())

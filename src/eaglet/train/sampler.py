@@ -19,6 +19,13 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _uniform(sample_ids: np.ndarray, salt: int) -> np.ndarray:
+    """A fixed draw in [0, 1) per sample id: the top 53 bits of a hash of (id, salt)."""
+    ids = np.asarray(sample_ids, dtype=np.int64).astype(np.uint64)
+    hashes = _mix64(_mix64(ids) ^ np.uint64(salt % 2**64))
+    return (hashes >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
 def split_by_sample_id(
     sample_ids: np.ndarray, val_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -29,12 +36,9 @@ def split_by_sample_id(
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    ids = np.asarray(sample_ids, dtype=np.int64).astype(np.uint64)
-    hashes = _mix64(_mix64(ids) ^ np.uint64(seed % 2**64))
-    # The top 53 bits as a uniform float in [0, 1).
-    uniform = (hashes >> np.uint64(11)).astype(np.float64) / float(2**53)
+    uniform = _uniform(sample_ids, seed)
     is_val = uniform < val_fraction
-    n = len(ids)
+    n = len(uniform)
     if val_fraction > 0 and n >= 2 and not is_val.any():
         is_val[np.argmin(uniform)] = True
     train, val = np.flatnonzero(~is_val), np.flatnonzero(is_val)
@@ -62,9 +66,9 @@ def subset_by_sample_id(
         raise ConfigError(f"train_fraction must be in (0, 1], got {fraction}")
     if fraction == 1.0 or len(positions) == 0:
         return positions
-    ids = np.asarray(sample_ids, dtype=np.int64)[positions].astype(np.uint64)
-    salt = np.uint64((seed ^ 0x5EED_F4AC_7105) % 2**64)  # another draw than the split's
-    uniform = (_mix64(_mix64(ids) ^ salt) >> np.uint64(11)).astype(np.float64) / float(2**53)
+    uniform = _uniform(
+        np.asarray(sample_ids)[positions], seed ^ 0x5EED_F4AC_7105
+    )  # another draw than the split's
     keep = uniform < fraction
     if not keep.any():
         keep[np.argmin(uniform)] = True
