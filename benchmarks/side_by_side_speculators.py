@@ -91,6 +91,9 @@ VERIFIER_TENSORS = ("verifier_lm_head.weight", "verifier_norm.weight")
 # Max |logit difference| accepted between speculators' forward and the converted head (fp32, two attention
 # implementations): a wrong name or a missing tensor moves logits by far more.
 CONVERSION_TOLERANCE = 1e-3
+# The conversion is checked on the first tokens of a micro-batch: speculators' eager attention on CPU holds a dense
+# [heads, T, K*T] score matrix, beyond any machine's memory for a whole 32K-token micro-batch.
+CHECK_TOKENS = 2048
 ATTENTION_NOTE = (
     "Attention: eaglet trains with its tiled SDPA (`eaglet.model.attention`) on CPU; speculators "
     "{version} trains its `Eagle3DraftModel` with `eager` attention (dense float masks) and the `eager` KL loss on "
@@ -211,6 +214,26 @@ def to_eaglet_head(
     # With V_d == V speculators keeps no d2t/t2d: the head's own identity mapping stays.
     head.load_state_dict({**head.state_dict(), **state}, strict=True)
     return head.eval().requires_grad_(False)
+
+
+def batch_prefix(batch: dict[str, Tensor], tokens: int) -> dict[str, Tensor]:
+    """A packed micro-batch's first `tokens` real tokens, padding dropped: whole documents and perhaps the start
+    of one more (left out when that start is a single token, which speculators' shift would leave empty)."""
+    real = int(batch["num_real_tokens"])
+    docs = batch["document_ids"]
+    keep = min(real, tokens)
+    cut_inside = keep < real and docs[keep] == docs[keep - 1]
+    if cut_inside and keep > 1 and docs[keep - 1] != docs[keep - 2]:
+        keep -= 1
+    per_token = (
+        "input_ids",
+        "loss_mask",
+        "document_ids",
+        "position_ids",
+        "aux_hidden_states",
+        "last_hidden_state",
+    )
+    return {**{k: batch[k][:keep] for k in per_token}, "num_real_tokens": torch.tensor(keep)}
 
 
 def speculators_batch(batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -489,7 +512,9 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     model.train()
     sides = make_sides(module, model, cfg)
     train_both(sides, datamodule, steps, plan.accumulate_grad_batches, tr.grad_clip, features)
-    check_batch = to_device(features(next(micro_batches(datamodule))), torch.device("cpu"))
+    check_batch = batch_prefix(
+        to_device(features(next(micro_batches(datamodule))), torch.device("cpu")), CHECK_TOKENS
+    )
 
     module.float().cpu()
     if (

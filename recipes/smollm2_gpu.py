@@ -82,6 +82,8 @@ def sh(cmd: list[str], log: Path, gpu: str | None = None, deadline: float | None
         except BaseException:  # the recipe itself interrupted: leave no command running behind it
             stop(proc)
             raise
+        if code:  # a command killed from outside (say for memory) prints nothing itself
+            fh.write(f"exited with status {code}\n")
     if code:
         raise subprocess.CalledProcessError(code, cmd)
 

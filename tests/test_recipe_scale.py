@@ -134,6 +134,15 @@ def test_a_command_running_at_the_deadline_is_stopped(recipe, tmp_path: Path) ->
     assert "stopped at the recipe's deadline" in (tmp_path / "log.txt").read_text()
 
 
+def test_a_command_killed_without_a_word_leaves_its_status_in_the_log(recipe, tmp_path: Path) -> None:
+    from smollm2_gpu import sh
+
+    log = tmp_path / "log.txt"
+    with pytest.raises(subprocess.CalledProcessError):
+        sh(["sh", "-c", "kill -9 $$"], log)
+    assert log.read_text().splitlines()[-1] == "exited with status -9"
+
+
 def test_a_stopped_training_resumes_from_its_last_checkpoint(
     recipe, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

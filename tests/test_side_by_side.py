@@ -102,6 +102,53 @@ def test_micro_batch_is_repacked_with_speculators_shift(sbs, shards: Path) -> No
     assert torch.equal(row["position_ids"][0, : first - 1], torch.arange(1, first))
 
 
+def packed(document_lengths: list[int], padding: int) -> dict[str, torch.Tensor]:
+    """A packed micro-batch's fields: documents 0, 1, ... of the given lengths, then padding (one more document)."""
+    real = sum(document_lengths)
+    docs = torch.cat([torch.full((n,), d) for d, n in enumerate([*document_lengths, padding])])
+    size = real + padding
+    return {
+        "input_ids": torch.arange(size),
+        "loss_mask": torch.ones(size, dtype=torch.bool),
+        "document_ids": docs,
+        "position_ids": torch.cat([torch.arange(n) for n in [*document_lengths, padding]]),
+        "aux_hidden_states": torch.randn(size, 6),
+        "last_hidden_state": torch.randn(size, 2),
+        "num_real_tokens": torch.tensor(real),
+        "cu_seqlens": torch.tensor([0, 5, 8, 12, size], dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize(
+    ("tokens", "kept"),
+    [
+        (5, 5),  # the first document whole
+        (7, 7),  # and the start of the second
+        (6, 5),  # the second's start would be one token: left out
+        (3, 3),  # the first document's start
+        (100, 12),  # every real token, no padding
+    ],
+)
+def test_conversion_is_checked_on_a_prefix_of_the_micro_batch(sbs, tokens: int, kept: int) -> None:
+    batch = packed([5, 3, 4], padding=4)
+    prefix = sbs.batch_prefix(batch, tokens)
+    assert int(prefix["num_real_tokens"]) == kept and "cu_seqlens" not in prefix
+    for key in (
+        "input_ids",
+        "loss_mask",
+        "document_ids",
+        "position_ids",
+        "aux_hidden_states",
+        "last_hidden_state",
+    ):
+        assert torch.equal(prefix[key], batch[key][:kept])
+    row = sbs.speculators_batch(
+        prefix
+    )  # each document loses a token to speculators' shift, none is left empty
+    documents = len(torch.unique(prefix["document_ids"]))
+    assert int((row["document_ids"] >= 0).sum()) == kept - documents
+
+
 def test_script_trains_both_converts_and_reports(
     sbs,
     shards: Path,  # noqa: F811
@@ -111,8 +158,15 @@ def test_script_trains_both_converts_and_reports(
 ) -> None:
     bench = tmp_path / "BENCHMARKS.md"
     monkeypatch.setattr(sbs, "BENCH_FILE", bench)
+    # The conversion is checked on a micro-batch's first CHECK_TOKENS tokens only.
+    checked, logit_difference = [], sbs.logit_difference
+    monkeypatch.setattr(sbs, "CHECK_TOKENS", 64)
+    monkeypatch.setattr(
+        sbs, "logit_difference", lambda *a: checked.append(a[2]["input_ids"].shape[1]) or logit_difference(*a)
+    )
     args = [*script_args(shards, model_cache), "steps=2", "prompts=1", "max_new_tokens=8", "eval.sets=[code]"]
     results = sbs.main(args)
+    assert len(checked) == 1 and 0 < checked[0] <= 64
 
     for side in ("eaglet", "speculators"):
         trained = results["training"][side]
