@@ -77,6 +77,7 @@ from eaglet.train.hardware import plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
 from eaglet.train.run import build_module, check_manifest, optimizer_steps
+from eaglet.train.ttt import BATCH_KEYS
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
 OPTS: dict[str, Any] = {"shards": None, "steps": 96, "epochs": 0, "ttt": None, "prompts": 5, "max_new_tokens": 64,
@@ -225,15 +226,7 @@ def batch_prefix(batch: dict[str, Tensor], tokens: int) -> dict[str, Tensor]:
     cut_inside = keep < real and docs[keep] == docs[keep - 1]
     if cut_inside and keep > 1 and docs[keep - 1] != docs[keep - 2]:
         keep -= 1
-    per_token = (
-        "input_ids",
-        "loss_mask",
-        "document_ids",
-        "position_ids",
-        "aux_hidden_states",
-        "last_hidden_state",
-    )
-    return {**{k: batch[k][:keep] for k in per_token}, "num_real_tokens": torch.tensor(keep)}
+    return {**{k: batch[k][:keep] for k in BATCH_KEYS}, "num_real_tokens": torch.tensor(keep)}
 
 
 def speculators_batch(batch: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -20,6 +20,7 @@ from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.run import build_module, optimizer_steps
+from eaglet.train.ttt import BATCH_KEYS
 
 SCRIPT = REPO_ROOT / "benchmarks" / "side_by_side_speculators.py"
 TTT = 3
@@ -133,18 +134,10 @@ def test_conversion_is_checked_on_a_prefix_of_the_micro_batch(sbs, tokens: int, 
     batch = packed([5, 3, 4], padding=4)
     prefix = sbs.batch_prefix(batch, tokens)
     assert int(prefix["num_real_tokens"]) == kept and "cu_seqlens" not in prefix
-    for key in (
-        "input_ids",
-        "loss_mask",
-        "document_ids",
-        "position_ids",
-        "aux_hidden_states",
-        "last_hidden_state",
-    ):
+    for key in BATCH_KEYS:
         assert torch.equal(prefix[key], batch[key][:kept])
-    row = sbs.speculators_batch(
-        prefix
-    )  # each document loses a token to speculators' shift, none is left empty
+    # Each document loses a token to speculators' shift; none is left empty.
+    row = sbs.speculators_batch(prefix)
     documents = len(torch.unique(prefix["document_ids"]))
     assert int((row["document_ids"] >= 0).sum()) == kept - documents
 
@@ -159,14 +152,17 @@ def test_script_trains_both_converts_and_reports(
     bench = tmp_path / "BENCHMARKS.md"
     monkeypatch.setattr(sbs, "BENCH_FILE", bench)
     # The conversion is checked on a micro-batch's first CHECK_TOKENS tokens only.
-    checked, logit_difference = [], sbs.logit_difference
+    checked_tokens, logit_difference = [], sbs.logit_difference
+
+    def recording_difference(model, head, row, ttt):
+        checked_tokens.append(row["input_ids"].shape[1])
+        return logit_difference(model, head, row, ttt)
+
     monkeypatch.setattr(sbs, "CHECK_TOKENS", 64)
-    monkeypatch.setattr(
-        sbs, "logit_difference", lambda *a: checked.append(a[2]["input_ids"].shape[1]) or logit_difference(*a)
-    )
+    monkeypatch.setattr(sbs, "logit_difference", recording_difference)
     args = [*script_args(shards, model_cache), "steps=2", "prompts=1", "max_new_tokens=8", "eval.sets=[code]"]
     results = sbs.main(args)
-    assert len(checked) == 1 and 0 < checked[0] <= 64
+    assert len(checked_tokens) == 1 and 0 < checked_tokens[0] <= 64
 
     for side in ("eaglet", "speculators"):
         trained = results["training"][side]
