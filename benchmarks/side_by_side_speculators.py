@@ -476,12 +476,19 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     target = load_online_target(cfg, plan, manifest, shards) if online else None
     aux_layer_ids = target.aux_layer_ids if target is not None else manifest.aux_layer_ids
     datamodule = (TokenDataModule if online else ShardDataModule)(
-        shards, plan.tokens_per_device, tr.val_fraction, cfg.seed, num_workers=0, check_finite=True
+        shards,
+        plan.tokens_per_device,
+        tr.val_fraction,
+        cfg.seed,
+        num_workers=0,
+        check_finite=True,
+        train_fraction=tr.train_fraction,
+        order_seed=tr.seed,
     )
     datamodule.setup()
     steps = optimizer_steps(tr, datamodule, plan)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed if tr.seed is None else tr.seed)  # as train.py seeds the head
     module = build_module(
         cfg.draft,
         tr,

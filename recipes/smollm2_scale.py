@@ -18,6 +18,9 @@ Work, most important first (src/eaglet/conf/experiments/smollm2_scale.yaml has t
 - quarter_data: a fixed random quarter of the training sequences (trainer.train_fraction=0.25), `mid_tokens` tokens:
           against scale_mid, at equal tokens seen, what repeats cost against new data (on the 29.6M-token seeded
           store each sequence is seen ~2.8 times, against scale_mid's 0.7).
+- seed_mid: scale_mid with another training seed (trainer.seed=4: the head's initialisation and its batches' order;
+          the data and the validation split unchanged), `mid_tokens` tokens: against scale_mid, how far τ moves
+          between two trainings that differ only by luck.
 - seeded: the self-prompts written after three people's chat prompts each (extract.self_prompt.examples=3 from the
           shared chat sets, temperature 0.7), `mid_tokens` tokens: against scale_mid.
 - people_x4: four answers (greedy and three sampled) to every shared prompt, the self-prompts' greedy ones only,
@@ -38,10 +41,11 @@ compiled, 20 prompts a set): scale_small 1.5 min of training (half of it compili
 and 2.8 of evaluation, scale_mid 1.9 and 2.5, shared_only 1.2 to tokenize its store (the answers reused), 1.1 and
 2.7; the data with 30K self-prompts 5-6; greedy_only 1 to tokenize its store, 1.9 and 2.2, ttt7 2.5 (half a
 minute of it compiling the K = 7 head) and 2.2 (eight evaluation workers; a later session, 2026-12-07); the data
-4.1 and main at 8 epochs 18 (7,200 steps, 236M tokens at 228K tokens/s over the run) and 2.2 (a third). Estimated
-for the other rows: quarter_data ~4 (as scale_mid), seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
+4.1 and main at 8 epochs 18 (7,200 steps, 236M tokens at 228K tokens/s over the run) and 2.2 (a third); the data
+4.0, scale_mid 2.0 and 2.3, quarter_data 2.2 and 2.2, the speculators pair's training 5.3 (a fifth). Estimated
+for the other rows: seed_mid ~4 (as scale_mid), seeded ~7 (its own self-prompts and their answers, ~3; the shared answers reused), people_x4 ~7 (three sampled
 answers to each of ~15K multi-turn conversations, not measured), vocab16384 ~4.5, speculators ~9 (both heads
-trained side by side on the same batches, ~1.5 steps/s, then an evaluation). Each row includes ~0.5 min of
+trained side by side on the same batches, then an evaluation of both beside n-gram lookup). Each row includes ~0.5 min of
 start-up. Within one 30-minute session (the data made again on a bare machine) the data and the main head fit, or
 the data and three of the other rows; the rest take further sessions.
 
@@ -171,6 +175,14 @@ ROWS: dict[str, Row] = {
     "quarter_data": Row(
         "a quarter of the data, repeated",
         overrides=("trainer.train_fraction=0.25",),
+        tokens="mid_tokens",
+        against="scale_mid",
+    ),
+    # Two trainings at one seed give the same head to the last digit: how far does another training seed move τ?
+    # The ablations' Δτ intervals (over prompts) leave that out.
+    "seed_mid": Row(
+        "another training seed (same data and validation split)",
+        overrides=("trainer.seed=4",),
         tokens="mid_tokens",
         against="scale_mid",
     ),

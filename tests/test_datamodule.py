@@ -78,6 +78,29 @@ def test_a_training_share_trains_on_fewer_sequences_and_validates_on_all(shard_d
     assert tokens == Counter(int(t) for i in half._train_idx for t in reader.sequence(int(i))["input_ids"])
 
 
+def test_a_training_seed_reorders_the_training_batches_alone(shard_dir: Path) -> None:
+    def batches(loader) -> list[list[int]]:
+        return [b["input_ids"][: int(b["num_real_tokens"])].tolist() for b in loader]
+
+    default, same, other = (
+        make_module(shard_dir),
+        make_module(shard_dir, order_seed=3),
+        make_module(shard_dir, order_seed=4),
+    )
+    assert batches(same.train_dataloader()) == batches(
+        default.train_dataloader()
+    )  # order_seed = seed: as before
+    # Another order seed: the same split and the same training tokens, in other batches; validation unchanged.
+    assert np.array_equal(other._val_idx, default._val_idx) and np.array_equal(
+        other._train_idx, default._train_idx
+    )
+    ours, theirs = batches(other.train_dataloader()), batches(default.train_dataloader())
+    assert ours != theirs and Counter(t for b in ours for t in b) == Counter(t for b in theirs for t in b)
+    assert batches(other.val_dataloader()) == batches(default.val_dataloader())
+    quarter, quarter_other = (make_module(shard_dir, train_fraction=0.25, order_seed=s) for s in (None, 4))
+    assert np.array_equal(quarter_other._train_idx, quarter._train_idx)  # the share stays on the data's seed
+
+
 def test_loaders_yield_static_packed_rows_covering_each_split_once(shard_dir: Path) -> None:
     module = make_module(shard_dir, feature_dtype="float32")
     reader = ShardReader(shard_dir)

@@ -240,6 +240,10 @@ def test_every_rows_commands_compose(recipe, compose) -> None:
         assert cfg.trainer.max_steps == (-1 if tokens is None else scale.steps(tokens)), name
     quarter = compose(*scale.common(scale.row_overrides("quarter_data")))
     assert quarter.trainer.train_fraction == 0.25 and quarter.trainer.ttt_steps == 5
+    reseeded = compose(*scale.common(scale.row_overrides("seed_mid")))
+    assert (
+        reseeded.trainer.seed == 4 and reseeded.seed == quarter.seed and reseeded.extract == quarter.extract
+    )
 
 
 def test_an_ablation_is_measured_against_an_earlier_runs_row_on_the_same_data(recipe, tmp_path: Path) -> None:

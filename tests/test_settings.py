@@ -98,6 +98,14 @@ def test_the_shipped_configs_pass_every_value_check(compose) -> None:
     compose("extract.backend=vllm", "extract.vllm.max_model_len=4096", "extract.max_length=2048")
 
 
+def test_a_training_seed_is_refused_to_window_training(compose) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.seed=4: window training reads its batches in the order"):
+        compose("trainer.features=window", "trainer.seed=4")
+    cfg = compose("trainer.features=online", "trainer.seed=4")
+    assert cfg.trainer.seed == 4 and cfg.seed == 0
+    assert compose().trainer.seed is None
+
+
 def test_a_share_of_the_training_split_is_refused_to_window_training(compose) -> None:
     with pytest.raises(ConfigError, match=r"trainer.train_fraction=0.5 .*window training never holds"):
         compose("trainer.features=window", "trainer.train_fraction=0.5")

@@ -112,6 +112,24 @@ def test_fit_writes_checkpoints_metrics_report_and_export(compose, shards: Path,
     assert ckpt["hyper_parameters"]["ttt_steps"] == 3
 
 
+def test_a_training_seed_trains_another_head_on_the_same_data(compose, shards: Path, tmp_path: Path) -> None:
+    def head(name: str, *extra: str) -> dict[str, torch.Tensor]:
+        overrides = train_overrides(
+            shards, tmp_path / name, "trainer.max_steps=2", "trainer.val_every_n_steps=2", *extra
+        )
+        run_training(compose(*overrides), tmp_path / name / "run")
+        return load_file(tmp_path / name / "run" / "draft" / "model.safetensors")
+
+    default, reseeded, again = (
+        head("default"),
+        head("seed7", "trainer.seed=7"),
+        head("again", "trainer.seed=7"),
+    )
+    assert all(torch.equal(reseeded[k], again[k]) for k in reseeded)  # a seed gives one head
+    trained = [k for k in default if default[k].is_floating_point()]
+    assert max(float((reseeded[k] - default[k]).abs().max()) for k in trained) > 1e-3
+
+
 def test_a_run_of_epochs_trains_every_epoch_when_its_micro_batches_do_not_divide_into_steps(
     compose, shards: Path, tmp_path: Path
 ) -> None:

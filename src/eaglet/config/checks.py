@@ -153,6 +153,12 @@ def check_trainer(tr: TrainerConfig) -> None:
             f"trainer.train_fraction={tr.train_fraction} takes a share of the whole training split, which window "
             "training never holds at once: use trainer.features=shards or online, or trainer.train_fraction=1"
         )
+    if tr.seed is not None and tr.features == TrainFeatures.window:
+        raise ConfigError(
+            f"trainer.seed={tr.seed}: window training reads its batches in the order its extraction schedule "
+            "fixed (the top-level seed), so a training seed alone cannot reorder them: use trainer.features=shards "
+            "or online, or trainer.seed=null"
+        )
     if tr.online_overlap and (tr.features != TrainFeatures.online or tr.num_workers or not tr.loader_threads):
         raise ConfigError(
             "trainer.online_overlap=true runs the target in the loader's threads of online training: it needs "

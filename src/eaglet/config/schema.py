@@ -364,6 +364,10 @@ class TrainerConfig:
     # unchanged): fewer distinct sequences, repeated over more epochs, at the same tokens seen. For measuring
     # what new data buys against repeats (recipes/smollm2_scale.py's quarter_data row); 1 = all of it.
     train_fraction: float = 1.0
+    # Seeds the head's initialisation and the order of its training batches alone; null: the top-level `seed`.
+    # The data, the validation split and the training share stay on the top-level seed, so two runs that differ
+    # here differ only by the luck of training (recipes/smollm2_scale.py's seed_mid row).
+    seed: int | None = None
     val_every_n_steps: int = 50
     # last.ckpt is refreshed this often (optimizer steps), so a killed run loses little.
     checkpoint_every_n_steps: int = 50
@@ -668,8 +672,8 @@ class EagletConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    # The one seed: training (initialisation, data order, validation split), regeneration sampling, the vLLM
-    # engine, and the Optuna sampler of sweeps/optuna_tau.yaml.
+    # The one seed: training (initialisation and data order unless trainer.seed, the validation split),
+    # regeneration sampling, the vLLM engine, and the Optuna sampler of sweeps/optuna_tau.yaml.
     seed: int = 0
     ckpt_path: str | None = None
     # Lightning callbacks and loggers of a training run, by name: each entry a `_target_` (a class or function

@@ -141,6 +141,7 @@ class ShardDataModule(LightningDataModule):
         check_finite: bool = False,
         loader_threads: int = 2,
         train_fraction: float = 1.0,
+        order_seed: int | None = None,
     ) -> None:
         super().__init__()
         if tokens_per_batch < 1:
@@ -156,6 +157,8 @@ class ShardDataModule(LightningDataModule):
         self.val_fraction = val_fraction
         self.train_fraction = train_fraction
         self.seed = seed
+        # The training batches' order (trainer.seed); the split and the share stay on `seed`.
+        self.order_seed = seed if order_seed is None else order_seed
         self.num_workers = num_workers
         self.loader_threads = loader_threads
         self.feature_dtype = _resolve_dtype(feature_dtype)
@@ -185,7 +188,7 @@ class ShardDataModule(LightningDataModule):
         )
         self._dataset = dataset
         self._train_bins = pack_sequences(
-            reader.lengths, self._train_idx, self.tokens_per_batch, self.seed, 0
+            reader.lengths, self._train_idx, self.tokens_per_batch, self.order_seed, 0
         )
         truncated = count_truncated(reader.lengths, np.arange(len(reader)), self.tokens_per_batch)
         if truncated:
@@ -266,7 +269,7 @@ class ShardDataModule(LightningDataModule):
             lengths,
             indices,
             self.tokens_per_batch,
-            seed=self.seed,
+            seed=self.order_seed if shuffle else self.seed,
             shuffle=shuffle,
             rank=rank,
             world_size=world_size,

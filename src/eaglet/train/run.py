@@ -216,7 +216,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     target = load_online_target(cfg, plan, manifest, shards) if online else None
     aux_layer_ids = target.aux_layer_ids if target is not None else manifest.aux_layer_ids
     run, ckpt_path = run_folder(cfg, run_dir)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    L.seed_everything(cfg.seed if tr.seed is None else tr.seed, workers=True, verbose=False)
 
     if window is not None:
         datamodule = WindowDataModule(
@@ -242,6 +242,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             val_fraction=tr.val_fraction,
             train_fraction=tr.train_fraction,
             seed=cfg.seed,
+            order_seed=tr.seed,
             num_workers=tr.num_workers,
             check_finite=True,
             loader_threads=tr.loader_threads,
