@@ -18,6 +18,7 @@ SET_NAMES = {"mt_bench_like": "chat", "alpaca": "instructions (Alpaca)", "code":
 GOAL_VS_NGRAM = {"mt_bench_like": 2.0, "alpaca": 2.0, "code": 1.5, "math": 1.5}
 GOAL_VS_SPECULATORS = 1.1
 SPECULATORS = "speculators"
+SEED_ROW = "seed_mid"  # another training seed of its reference row: the ablations' luck
 
 
 def format_report(record: dict, status: dict[str, str]) -> str:
@@ -200,25 +201,42 @@ def _difference_bounds(row: dict, other: dict, set_name: str) -> str:
 
 
 def _ablations(rows: dict[str, dict], sets: list[str]) -> str:
+    def delta(r: dict, base: dict, s: str) -> float:
+        return _tau(r, s, "eaglet") - _tau(base, s, "eaglet")
+
+    seed = rows.get(SEED_ROW, {})
+    seed_base = rows.get(seed.get("against") or "", {})
+    # The seed row's |Δτ| per set: how far one training moves τ by luck alone (one draw of it).
+    luck = (
+        {s: abs(delta(seed, seed_base, s)) for s in sets}
+        if seed.get("sets") and seed_base.get("sets")
+        else {}
+    )
     lines = []
     for name, r in rows.items():
         base = rows.get(r.get("against") or "", {})
         if name == SPECULATORS or not r.get("sets") or not base.get("sets"):
             continue
         deltas = ", ".join(
-            f"{SET_NAMES.get(s, s)} {_tau(r, s, 'eaglet') - _tau(base, s, 'eaglet'):+.2f}"
-            + _difference_bounds(r, base, s)
-            for s in sets
+            f"{SET_NAMES.get(s, s)} {delta(r, base, s):+.2f}" + _difference_bounds(r, base, s) for s in sets
         )
-        lines.append(
-            f"- {name} ({r['question']}) against {_label(r['against'], base)}, equal tokens: Δτ {deltas}"
-        )
+        line = f"- {name} ({r['question']}) against {_label(r['against'], base)}, equal tokens: Δτ {deltas}"
+        if luck and name != SEED_ROW:
+            within = [SET_NAMES.get(s, s) for s in sets if abs(delta(r, base, s)) <= luck[s]]
+            line += f"; within {SEED_ROW}'s: {', '.join(within) or 'none'}"
+        lines.append(line)
     if not lines:
         return ""
     note = (
         "(95% intervals over the prompts: drawn in pairs where both rows were evaluated on the same prompts, "
         "else each row's evaluation on its own)"
     )
+    if luck:
+        note += (
+            f"\n\n{SEED_ROW} differs from {seed['against']} only by the training seed: its |Δτ| on a set is how far "
+            "one training moves τ by luck, which the intervals over prompts leave out. An ablation's Δτ within it "
+            "is not told apart from luck (one draw of it: a rough bound)."
+        )
     return "## Ablations\n\n" + "\n".join(lines) + f"\n\n{note}\n"
 
 

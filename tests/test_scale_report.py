@@ -142,3 +142,30 @@ def test_data_scaling_fits_the_rows_at_the_experiments_own_settings(report) -> N
     assert "| code | +0.64 |" in report.format_report({"stores": {}, "rows": copied}, {})
     only_one = report.format_report({"stores": {}, "rows": {"scale_small": small}}, {})
     assert "Data scaling" not in only_one  # one token count: no line
+
+
+def test_ablations_are_read_against_the_training_seed_spread(report) -> None:
+    def row(code: tuple, math: tuple, against: str | None = None) -> dict:
+        sets = {
+            "code": _set(_results({"eaglet": code, "ngram": NGRAM})),
+            "math": _set(_results({"eaglet": math, "ngram": NGRAM})),
+        }
+        return _row(sets, against=against)
+
+    base = ([6] * 8, [4] * 8)  # τ 2.50
+    mid = row(base, base)
+    seed = row(
+        ([7, 6, 6, 6, 6, 6, 6, 6], [4] * 8), ([6, 6, 6, 6, 6, 6, 6, 5], [4] * 8), against="scale_mid"
+    )  # ±0.03
+    ttt7 = row(
+        CLEARLY_TWICE, ([6, 6, 6, 6, 6, 6, 6, 7], [4] * 8), against="scale_mid"
+    )  # code +1.59, math +0.03
+    text = report.format_report(
+        {"stores": {}, "rows": {"scale_mid": mid, "seed_mid": seed, "ttt7": ttt7}}, {}
+    )
+    line = next(line for line in text.splitlines() if line.startswith("- ttt7"))
+    assert line.endswith("; within seed_mid's: maths")
+    assert "within" not in next(line for line in text.splitlines() if line.startswith("- seed_mid"))
+    assert "seed_mid differs from scale_mid only by the training seed" in text
+    alone = report.format_report({"stores": {}, "rows": {"scale_mid": mid, "ttt7": ttt7}}, {})
+    assert "within seed_mid" not in alone and "training seed" not in alone
