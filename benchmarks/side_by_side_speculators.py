@@ -76,7 +76,7 @@ from eaglet.train.datamodule import ShardDataModule
 from eaglet.train.hardware import plan_trainer
 from eaglet.train.module import DraftHeadModule
 from eaglet.train.online import TokenDataModule, check_token_store, load_online_target, token_store_dir
-from eaglet.train.run import build_module, check_manifest, optimizer_steps
+from eaglet.train.run import build_module, check_manifest, optimizer_steps, training_seed
 from eaglet.train.ttt import BATCH_KEYS
 
 BENCH_FILE = Path(__file__).resolve().parents[1] / "experiments" / "BENCHMARKS.md"
@@ -483,12 +483,12 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         num_workers=0,
         check_finite=True,
         train_fraction=tr.train_fraction,
-        order_seed=tr.seed,
+        order_seed=training_seed(cfg),
     )
     datamodule.setup()
     steps = optimizer_steps(tr, datamodule, plan)
 
-    torch.manual_seed(cfg.seed if tr.seed is None else tr.seed)  # as train.py seeds the head
+    torch.manual_seed(training_seed(cfg))  # as train.py seeds the head
     module = build_module(
         cfg.draft,
         tr,

@@ -120,11 +120,8 @@ def test_a_training_seed_trains_another_head_on_the_same_data(compose, shards: P
         run_training(compose(*overrides), tmp_path / name / "run")
         return load_file(tmp_path / name / "run" / "draft" / "model.safetensors")
 
-    default, reseeded, again = (
-        head("default"),
-        head("seed7", "trainer.seed=7"),
-        head("again", "trainer.seed=7"),
-    )
+    default = head("default")
+    reseeded, again = head("seed7", "trainer.seed=7"), head("again", "trainer.seed=7")
     assert all(torch.equal(reseeded[k], again[k]) for k in reseeded)  # a seed gives one head
     trained = [k for k in default if default[k].is_floating_point()]
     assert max(float((reseeded[k] - default[k]).abs().max()) for k in trained) > 1e-3

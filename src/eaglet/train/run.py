@@ -109,6 +109,11 @@ def check_whole(manifest: Manifest, directory: Path) -> None:
         )
 
 
+def training_seed(cfg: EagletConfig) -> int:
+    """The seed of the head's initialisation and its training batches' order: trainer.seed, else the top-level one."""
+    return cfg.seed if cfg.trainer.seed is None else cfg.trainer.seed
+
+
 def optimizer_steps(tr: TrainerConfig, datamodule: ShardDataModule, plan: TrainerPlan) -> int:
     """The run's optimizer steps: trainer.max_steps if set, else max_epochs x the steps of one epoch per rank."""
     if tr.max_steps > 0:
@@ -216,7 +221,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
     target = load_online_target(cfg, plan, manifest, shards) if online else None
     aux_layer_ids = target.aux_layer_ids if target is not None else manifest.aux_layer_ids
     run, ckpt_path = run_folder(cfg, run_dir)
-    L.seed_everything(cfg.seed if tr.seed is None else tr.seed, workers=True, verbose=False)
+    L.seed_everything(training_seed(cfg), workers=True, verbose=False)
 
     if window is not None:
         datamodule = WindowDataModule(
@@ -242,7 +247,7 @@ def run_training(cfg: EagletConfig, run_dir: Path, *, finish_tracking: bool = Tr
             val_fraction=tr.val_fraction,
             train_fraction=tr.train_fraction,
             seed=cfg.seed,
-            order_seed=tr.seed,
+            order_seed=training_seed(cfg),
             num_workers=tr.num_workers,
             check_finite=True,
             loader_threads=tr.loader_threads,

@@ -66,9 +66,8 @@ def subset_by_sample_id(
         raise ConfigError(f"train_fraction must be in (0, 1], got {fraction}")
     if fraction == 1.0 or len(positions) == 0:
         return positions
-    uniform = _uniform(
-        np.asarray(sample_ids)[positions], seed ^ 0x5EED_F4AC_7105
-    )  # another draw than the split's
+    # Salted: another draw than the split's.
+    uniform = _uniform(np.asarray(sample_ids)[positions], seed ^ 0x5EED_F4AC_7105)
     keep = uniform < fraction
     if not keep.any():
         keep[np.argmin(uniform)] = True
