@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,39 @@ def test_a_run_without_a_head_or_for_another_target(compose, shards, run_dir: Pa
             run_evaluation(compose(*eval_overrides(shards, run_dir)))
     finally:
         (run_dir / ".hydra" / "config.yaml").unlink()
+
+
+def test_a_head_folder_is_evaluated_like_its_run(compose, shards, run_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A head by itself (an export, another trainer's head): the same counts as its run, eval.json beside it."""
+    head = tmp_path / "head"
+    shutil.copytree(run_dir / "draft", head)
+    own = run_evaluation(compose(*eval_overrides(shards, run_dir)))
+    alone = run_evaluation(compose(*eval_overrides(shards, run_dir), f"eval.run={head}"))
+    assert _counts(alone) == _counts(own)
+    assert json.loads((head / "eval.json").read_text())["sets"].keys() == {"code", "math"}
+    spec = run_export(
+        compose(
+            *train_overrides(shards, run_dir.parent.parent), f"export.run={head}", "export.format=speculators"
+        )
+    )
+    assert check_speculators_folder(spec)
+    assert _counts(run_evaluation(compose(*eval_overrides(shards, run_dir), f"eval.run={spec}"))) == _counts(
+        own
+    )
+
+
+def test_a_head_for_another_target_is_refused_by_name(compose, shards, run_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    head = tmp_path / "other"
+    shutil.copytree(run_dir / "draft", head)
+    config = json.loads((head / "config.json").read_text())
+    config["target_hidden_size"] += 8
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 99]
+    config.pop("eagle_config", None)
+    (head / "config.json").write_text(json.dumps(config))
+    for key in ("eval.run", "eval.baseline_draft"):
+        with pytest.raises(ConfigError, match=rf"{key}=.*another target") as err:
+            run_evaluation(compose(*eval_overrides(shards, run_dir), f"{key}={head}"))
+        assert "hidden states of size" in str(err.value) and "[1, 2, 99]" in str(err.value)
 
 
 def test_export_both_formats_and_refuse_a_full_folder(compose, shards, run_dir: Path, tmp_path: Path) -> None:  # noqa: F811

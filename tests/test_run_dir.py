@@ -45,8 +45,22 @@ def test_newest_run_with_a_report(tmp_path: Path) -> None:
 def test_a_named_run_needs_its_head(tmp_path: Path) -> None:
     headless = _run(tmp_path, "a", age=0, head=False)
     assert not headless.has_head()
-    with pytest.raises(DataError, match=r"no finished head \(no draft/config.json\)"):
+    with pytest.raises(DataError, match=r"no finished head \(no draft/config.json, nor config.json \+ model"):
         RunDir.resolve(str(headless.path), tmp_path, key="export.run")
+
+
+def test_a_head_folder_is_a_run_whose_head_is_the_folder(tmp_path: Path) -> None:
+    head = tmp_path / "export"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    assert not RunDir(head).has_head()  # weights missing: not a head
+    (head / "model.safetensors").write_bytes(b"")
+    assert RunDir(head).draft_dir == head and RunDir(head).has_head()
+    assert RunDir.resolve(str(head), tmp_path, key="eval.run").results_file == head / "eval.json"
+    run = _run(tmp_path, "a", age=0)  # a run keeps its draft/ even beside files of these names
+    (run.path / "config.json").write_text("{}")
+    (run.path / "model.safetensors").write_bytes(b"")
+    assert run.draft_dir == run.path / "draft"
 
 
 def test_settings_read_back(tmp_path: Path) -> None:

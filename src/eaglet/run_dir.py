@@ -10,6 +10,9 @@ outputs/train/<time>/        a run (hydra.run.dir of train.py, under paths.outpu
   export-<format>/           the default folder of `python export.py`
   .hydra/config.yaml         the composed config the run was trained with
 
+A head folder by itself (config.json + model.safetensors, say an export or another trainer's EAGLE-3 head) is read
+as a run whose draft/ is the folder itself, so evaluate.py and export.py take it too (eval.json is written beside).
+
 A run resumed from one of its checkpoints (ckpt_path=...) continues in this folder; the folder Hydra made for
 the resuming command is left empty and removed, as is the folder of a run that failed before it trained.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from eaglet.errors import ConfigError, DataError
-from eaglet.formats.folder import CONFIG_FILE
+from eaglet.formats.folder import CONFIG_FILE, WEIGHTS_FILE
 
 # Training runs under paths.output_dir (conf/hydra: outputs/train/<time>).
 TRAIN_RUNS = "train"
@@ -45,7 +48,12 @@ class RunDir:
 
     @property
     def draft_dir(self) -> Path:
-        return self.path / self.DRAFT_DIR
+        nested = self.path / self.DRAFT_DIR
+        return self.path if not nested.exists() and self.is_head_folder() else nested
+
+    def is_head_folder(self) -> bool:
+        """Whether the folder is a head itself rather than a training run."""
+        return (self.path / CONFIG_FILE).is_file() and (self.path / WEIGHTS_FILE).is_file()
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -135,7 +143,7 @@ class RunDir:
 
     @classmethod
     def resolve(cls, value: str | None, output_dir: Path, *, key: str) -> RunDir:
-        """A training run folder; null or "last" = the newest run that has a report.
+        """A training run folder (or a head folder by itself); null or "last" = the newest run that has a report.
 
         `key` is the setting `value` came from (eval.run, export.run): the messages name it.
         """
@@ -144,9 +152,9 @@ class RunDir:
         run = cls(Path(value))
         if not run.has_head():
             raise DataError(
-                f"{key}={value}: {run.path} holds no finished head (no {cls.DRAFT_DIR}/{CONFIG_FILE}): pass "
-                f"{key}=<run folder> of a completed python train.py, or let it finish (python train.py "
-                "ckpt_path=last)"
+                f"{key}={value}: {run.path} holds no finished head (no {cls.DRAFT_DIR}/{CONFIG_FILE}, nor "
+                f"{CONFIG_FILE} + {WEIGHTS_FILE} of a head folder): pass {key}=<run folder> of a completed "
+                "python train.py or a head folder, or let the run finish (python train.py ckpt_path=last)"
             )
         return run
 

@@ -3,6 +3,7 @@ prompt seen in training dropped and counted. In-process and server evaluation re
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from eaglet.config.eval_sets import eval_set_defs
@@ -12,6 +13,8 @@ from eaglet.data.dataset import load_dataset
 from eaglet.data.holdout import normalise_prompt
 from eaglet.data.templating import build_prompt_ids, chat_template_variables, resolve_chat_template
 from eaglet.errors import ConfigError, DataError
+from eaglet.formats.folder import CONFIG_FILE, read_json_object
+from eaglet.formats.reader import aux_layer_ids_of, flatten_speculators
 from eaglet.run_dir import RunDir
 
 # name: (token ids of each prompt, prompts dropped as seen in training)
@@ -19,9 +22,11 @@ PromptSets = dict[str, tuple[list[list[int]], int]]
 
 
 def check_run_target(run: RunDir, cfg: EagletConfig) -> None:
-    """The head must have been trained for the target being evaluated."""
+    """The head must have been trained for the target being evaluated: by the run's settings, or for a head folder
+    without them (an export, another trainer's head) by the head's own config."""
     settings = run.settings()
     if settings is None:
+        check_head_fits_target(run.draft_dir, cfg, "eval.run")
         return
     trained = settings.model
     for key in ("name", "hidden_size", "vocab_size"):
@@ -30,6 +35,28 @@ def check_run_target(run: RunDir, cfg: EagletConfig) -> None:
                 f"{run.path} trained a head for model.{key}={trained[key]}, but this evaluation targets "
                 f"model.{key}={cfg.model[key]}; pass model={trained['name']} (or another run)"
             )
+
+
+def check_head_fits_target(folder: Path, cfg: EagletConfig, key: str) -> None:
+    """A head folder's config against the target's: the hidden size it reads, its vocabulary, its layer ids."""
+    where = folder / CONFIG_FILE
+    config = flatten_speculators(read_json_object(where))
+    reads = config.get("target_hidden_size", config.get("hidden_size"))
+    model = cfg.model
+    wrong = []
+    if reads != model.hidden_size:
+        wrong.append(f"it reads hidden states of size {reads}, the target's are {model.hidden_size}")
+    if config.get("vocab_size") != model.vocab_size:
+        wrong.append(f"its vocab_size is {config.get('vocab_size')}, the target's {model.vocab_size}")
+    ids = aux_layer_ids_of(config, str(where))
+    # Each id names the input of a decoder layer past the first (the capture's convention).
+    if not all(1 <= i < model.num_layers for i in ids):
+        wrong.append(f"its layer ids {ids} do not all lie in the target's {model.num_layers} layers")
+    if wrong:
+        raise ConfigError(
+            f"{key}={folder}: this head was made for another target than model={model.name} ({'; '.join(wrong)}); "
+            "pass the model it was trained for, or a head trained for this one"
+        )
 
 
 def training_prompts(cfg: EagletConfig) -> set[str]:

@@ -10,9 +10,10 @@ from eaglet.config.schema import EagletConfig
 from eaglet.errors import ConfigError, DataError
 from eaglet.evaluate.loading import load_evaluator
 from eaglet.evaluate.metrics import evaluate_prompts, format_positions, format_table
-from eaglet.evaluate.prompts import check_run_target, load_prompt_sets
+from eaglet.evaluate.prompts import check_head_fits_target, check_run_target, load_prompt_sets
 from eaglet.evaluate.workers import evaluate_in_workers
 from eaglet.formats import serving
+from eaglet.formats.folder import CONFIG_FILE
 from eaglet.fsutil import atomic_write_json
 from eaglet.run_dir import RunDir
 from eaglet.target_model.loader import load_tokenizer
@@ -27,6 +28,9 @@ def evaluated_run(cfg: EagletConfig) -> RunDir:
     if not run.has_head():
         raise DataError(f"{run.path} holds no finished head (no draft/config.json)")
     check_run_target(run, cfg)
+    # A missing baseline head is named where it is loaded.
+    if ev.baseline_draft and (Path(ev.baseline_draft) / CONFIG_FILE).is_file():
+        check_head_fits_target(Path(ev.baseline_draft), cfg, "eval.baseline_draft")
     return run
 
 
