@@ -26,7 +26,8 @@ def check_run_target(run: RunDir, cfg: EagletConfig) -> None:
     without them (an export, another trainer's head) by the head's own config."""
     settings = run.settings()
     if settings is None:
-        check_head_fits_target(run.draft_dir, cfg, "eval.run")
+        if run.draft_dir == run.path:
+            check_head_fits_target(run.path, cfg, "eval.run")
         return
     trained = settings.model
     for key in ("name", "hidden_size", "vocab_size"):
