@@ -16,6 +16,7 @@ from eaglet.errors import ConfigError, DataError
 from eaglet.formats.folder import CONFIG_FILE, read_json_object
 from eaglet.formats.reader import aux_layer_ids_of, flatten_speculators
 from eaglet.run_dir import RunDir
+from eaglet.target_model.capture import aux_layer_ids_out_of_range
 
 # name: (token ids of each prompt, prompts dropped as seen in training)
 PromptSets = dict[str, tuple[list[list[int]], int]]
@@ -50,8 +51,7 @@ def check_head_fits_target(folder: Path, cfg: EagletConfig, key: str) -> None:
     if config.get("vocab_size") != model.vocab_size:
         wrong.append(f"its vocab_size is {config.get('vocab_size')}, the target's {model.vocab_size}")
     ids = aux_layer_ids_of(config, str(where))
-    # Each id names the input of a decoder layer past the first (the capture's convention).
-    if not all(1 <= i < model.num_layers for i in ids):
+    if aux_layer_ids_out_of_range(ids, model.num_layers):
         wrong.append(f"its layer ids {ids} do not all lie in the target's {model.num_layers} layers")
     if wrong:
         raise ConfigError(

@@ -23,10 +23,15 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def aux_layer_ids_out_of_range(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """The ids outside [1, L-1]: each id k names the input of decoder layer k."""
+    return [k for k in aux_layer_ids if not 1 <= k <= num_layers - 1]
+
+
 def check_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
     """Each id k names the input of decoder layer k, so it must be in [1, L-1]."""
     ids = [int(k) for k in aux_layer_ids]
-    bad = [k for k in ids if not 1 <= k <= num_layers - 1]
+    bad = aux_layer_ids_out_of_range(ids, num_layers)
     if not ids or bad:
         problem = f"ids {bad} are out of range" if bad else "the list is empty"
         raise ConfigError(
