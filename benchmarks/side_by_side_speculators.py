@@ -267,17 +267,21 @@ def speculators_batch(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def speculators_step_logits(model: Eagle3DraftModel, row: dict[str, Tensor], ttt: int) -> list[Tensor]:
-    """Logits [S, V_d] of every TTT step of speculators' own forward on one of its rows (lm_head's outputs)."""
+    """Logits [S, V_d] of every TTT step of speculators' own forward on one of its rows (lm_head's outputs).
+
+    Run eagerly: speculators compiles its forward whenever CUDA is present, so on a GPU machine this check on
+    the CPU would go through inductor's C++ path (which failed there to compile its kernels) for one forward."""
     captured: list[Tensor] = []
     handle = model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
     try:
-        model(
-            hidden_states=row["hidden_states"],
-            input_ids=row["input_ids"],
-            document_ids=row["document_ids"],
-            position_ids=row["position_ids"],
-            ttt_steps=ttt,
-        )
+        with torch.compiler.set_stance("force_eager"):
+            model(
+                hidden_states=row["hidden_states"],
+                input_ids=row["input_ids"],
+                document_ids=row["document_ids"],
+                position_ids=row["position_ids"],
+                ttt_steps=ttt,
+            )
     finally:
         handle.remove()
     return captured
@@ -524,6 +528,15 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         model = build_speculators(module, cfg, aux_layer_ids, torch.device("cpu"))
         model.load_state_dict(trained)
     model.eval()
+
+    def save(name: str, head: Eagle3DraftHead) -> None:
+        if opts["save"]:
+            folder = Path(opts["save"]) / name
+            export_eagle(head, draft_config(cfg), folder, aux_layer_ids=aux_layer_ids, overwrite=True)
+
+    # Our head is kept before the conversion check, which only speaks for the speculators side.
+    heads = {"eaglet": module.head.eval().requires_grad_(False)}
+    save("eaglet", heads["eaglet"])
     converted = to_eaglet_head(model, cfg, manifest, aux_layer_ids)
     check_row = speculators_batch(check_batch)
     diff = logit_difference(model, converted, check_row, tr.ttt_steps)
@@ -532,16 +545,8 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             f"the converted speculators head differs from speculators' own forward by {diff:.3g} max |logit| "
             f"(> {CONVERSION_TOLERANCE}); the name mapping or the layer semantics diverged"
         )
-    heads = {"eaglet": module.head.eval().requires_grad_(False), "speculators": converted}
-    if opts["save"]:
-        for name, head in heads.items():
-            export_eagle(
-                head,
-                draft_config(cfg),
-                Path(opts["save"]) / name,
-                aux_layer_ids=aux_layer_ids,
-                overwrite=True,
-            )
+    heads["speculators"] = converted
+    save("speculators", converted)
     return {
         "sets": evaluate_heads(cfg, heads, aux_layer_ids) if opts["evaluate"] else {},
         "training": {

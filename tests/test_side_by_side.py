@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from test_train import data_overrides, shards  # noqa: F401  (module fixture: shards by the real extraction)
 
 from eaglet.config import REPO_ROOT
-from eaglet.errors import ConfigError
+from eaglet.errors import ConfigError, DataError
 from eaglet.shards import build_vocab_mapping, load_token_counts, read_manifest
 from eaglet.shards.layout import TARGET_HEAD_FILE
 from eaglet.train.datamodule import ShardDataModule
@@ -85,6 +85,40 @@ def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_ca
     converted = sbs.to_eaglet_head(theirs, cfg, manifest, manifest.aux_layer_ids)
     assert sbs.logit_difference(theirs, converted, row, TTT) < 1e-4
     assert torch.equal(converted.d2t, ours.d2t) and torch.equal(converted.t2d, ours.t2d)
+
+
+def test_the_check_runs_speculators_forward_eagerly_where_it_is_compiled(
+    sbs,
+    shards: Path,  # noqa: F811
+    model_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """speculators compiles its forward where CUDA is present; the CPU check must not go through the compiler
+    (inductor's C++ path failed to build there). A backend that refuses to compile stands in for it."""
+    opts, overrides = sbs.parse_args(script_args(shards, model_cache))
+    cfg = sbs.compose_config(opts, overrides)
+    manifest = read_manifest(shards)
+    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
+    module = build_module(
+        cfg.draft, cfg.trainer, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=2
+    )
+    module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
+    theirs = sbs.build_speculators(module, cfg, manifest.aux_layer_ids, torch.device("cpu")).eval()
+
+    def refusing_backend(graph, example_inputs):
+        raise RuntimeError("compiled on the CPU check")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(sbs.Eagle3DraftModel.forward, backend=refusing_backend)
+    monkeypatch.setattr(sbs.Eagle3DraftModel, "forward", compiled)
+    row = random_row(manifest.hidden_size, manifest.vocab_size, torch.Generator().manual_seed(1))
+    with pytest.raises(Exception, match="compiled on the CPU check"):  # the stand-in does compile
+        theirs(
+            **{k: row[k] for k in ("hidden_states", "input_ids", "document_ids", "position_ids")},
+            ttt_steps=TTT,
+        )
+    assert sbs.logit_difference(theirs, module.head.eval(), row, TTT) < 1e-4
+    torch._dynamo.reset()
 
 
 def test_micro_batch_is_repacked_with_speculators_shift(sbs, shards: Path) -> None:  # noqa: F811
@@ -188,6 +222,24 @@ def test_online_trains_on_the_features_the_shards_hold(sbs, shards: Path, model_
     for side in ("eaglet", "speculators"):
         assert online[side]["steps"] == 2
         assert online[side]["losses"] == pytest.approx(stored[side]["losses"], rel=1e-3)
+
+
+def test_our_head_is_kept_when_the_conversion_check_fails(
+    sbs,
+    shards: Path,  # noqa: F811
+    model_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check speaks for the speculators side only: a failed one leaves our trained head saved, and no
+    converted speculators head."""
+    monkeypatch.setattr(sbs, "CONVERSION_TOLERANCE", -1.0)
+    args = [*script_args(shards, model_cache), "steps=2", "evaluate=0", f"save={tmp_path}"]
+    with pytest.raises(DataError, match="differs from speculators' own forward"):
+        sbs.main(args)
+    assert (tmp_path / "eaglet" / "model.safetensors").is_file()
+    assert (tmp_path / "eaglet" / "config.json").is_file()
+    assert not (tmp_path / "speculators").exists()
 
 
 @pytest.mark.parametrize(
