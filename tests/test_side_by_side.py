@@ -59,7 +59,8 @@ def random_row(hidden: int, vocab: int, generator: torch.Generator) -> dict[str,
     }
 
 
-def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_cache: Path) -> None:  # noqa: F811
+def head_pair(sbs, shards: Path, model_cache: Path):  # noqa: F811
+    """(config, manifest, our head, speculators' model holding its weights), both initialised from the target."""
     opts, overrides = sbs.parse_args(script_args(shards, model_cache))
     cfg = sbs.compose_config(opts, overrides)
     manifest = read_manifest(shards)
@@ -69,8 +70,12 @@ def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_ca
         cfg.draft, cfg.trainer, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=2
     )
     module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
-    ours = module.head.eval()
     theirs = sbs.build_speculators(module, cfg, manifest.aux_layer_ids, torch.device("cpu")).eval()
+    return cfg, manifest, module.head.eval(), theirs
+
+
+def test_weights_convert_both_ways_with_equal_logits(sbs, shards: Path, model_cache: Path) -> None:  # noqa: F811
+    cfg, manifest, ours, theirs = head_pair(sbs, shards, model_cache)
     assert theirs.layers[0].self_attn.config._attn_implementation == "eager"
     assert not theirs.lm_head.weight.requires_grad and not ours.lm_head.weight.requires_grad
     row = random_row(manifest.hidden_size, manifest.vocab_size, torch.Generator().manual_seed(1))
@@ -95,15 +100,7 @@ def test_the_check_runs_speculators_forward_eagerly_where_it_is_compiled(
 ) -> None:
     """speculators compiles its forward where CUDA is present; the CPU check must not go through the compiler
     (inductor's C++ path failed to build there). A backend that refuses to compile stands in for it."""
-    opts, overrides = sbs.parse_args(script_args(shards, model_cache))
-    cfg = sbs.compose_config(opts, overrides)
-    manifest = read_manifest(shards)
-    d2t, t2d = build_vocab_mapping(load_token_counts(shards), cfg.draft.vocab_size)
-    module = build_module(
-        cfg.draft, cfg.trainer, manifest, target_norm_eps=cfg.model.rms_norm_eps, total_steps=2
-    )
-    module.init_from_target(load_file(shards / TARGET_HEAD_FILE), d2t, t2d)
-    theirs = sbs.build_speculators(module, cfg, manifest.aux_layer_ids, torch.device("cpu")).eval()
+    _, manifest, ours, theirs = head_pair(sbs, shards, model_cache)
 
     def refusing_backend(graph, example_inputs):
         raise RuntimeError("compiled on the CPU check")
@@ -117,7 +114,7 @@ def test_the_check_runs_speculators_forward_eagerly_where_it_is_compiled(
             **{k: row[k] for k in ("hidden_states", "input_ids", "document_ids", "position_ids")},
             ttt_steps=TTT,
         )
-    assert sbs.logit_difference(theirs, module.head.eval(), row, TTT) < 1e-4
+    assert sbs.logit_difference(theirs, ours, row, TTT) < 1e-4
     torch._dynamo.reset()
 
 
