@@ -373,7 +373,9 @@ def _speculators_logits(
     model.lm_head.register_forward_hook(lambda _module, _args, out: logits.append(out[0]))
     # speculators takes the input ids already shifted to the next token (its data pipeline does this).
     shifted = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
-    with torch.no_grad():
+    # Eagerly: speculators compiles its forward wherever CUDA is present, and inductor's CPU path failed to
+    # build that kernel on a GPU machine (experiments/BENCHMARKS.md, "the conversion check failed to compile").
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         model(
             hidden_states=aux[None],
             input_ids=shifted[None],
