@@ -31,6 +31,7 @@ from eaglet.shards import (
 )
 from eaglet.shards.format import all_finite
 from eaglet.shards.streamed import write_safetensors
+from eaglet.shards.tokens import TokenReader
 
 N_AUX, H = 3, 16
 GROUPS = ((5, 9, 1), (7,), (3, 12))  # sequence lengths of each shard
@@ -155,12 +156,24 @@ def test_reader_maps_lazily_and_returns_views(tmp_path: Path) -> None:
         assert any(start <= ptr < end for start, end in regions), f"{name} is not a view of the shard file"
 
 
-def test_pickled_reader_reopens_its_maps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader_class", [ShardReader, TokenReader])
+def test_pickled_reader_reopens_its_maps(tmp_path: Path, reader_class: type) -> None:
     sequences = write_dataset(tmp_path)
-    reader = ShardReader(tmp_path)
+    reader = reader_class(tmp_path)
     reader.sequence(0)
     clone = pickle.loads(pickle.dumps(reader))
+    assert all(tensors is None for tensors in clone._maps)  # the maps stay in the process that opened them
     assert torch.equal(clone.sequence(5)["input_ids"], sequences[5].input_ids.to(torch.int32))
+
+
+@pytest.mark.parametrize("reader_class", [ShardReader, TokenReader])
+def test_released_reader_maps_again(tmp_path: Path, reader_class: type) -> None:
+    sequences = write_dataset(tmp_path)
+    reader = reader_class(tmp_path)
+    reader.sequence(0)
+    reader.release()
+    assert all(tensors is None for tensors in reader._maps)
+    assert torch.equal(reader.sequence(0)["loss_mask"], sequences[0].loss_mask.to(torch.uint8))
 
 
 def test_verify_detects_a_flipped_byte(tmp_path: Path) -> None:

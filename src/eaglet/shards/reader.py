@@ -146,7 +146,49 @@ class SequenceIndex:
         return shard, int(offsets[j]), int(offsets[j + 1])
 
 
-class ShardReader:
+def require_complete(directory: Path, manifest: Manifest) -> None:
+    """A reader of the whole folder needs a finished extraction: say so, and how to finish it."""
+    if not manifest.complete:
+        raise DataError(
+            f"{directory}: extraction is incomplete (status {manifest.status!r}, "
+            f"{len(manifest.shards)} shards written so far); re-run the same `python extract.py ...` "
+            "command to finish it"
+        )
+
+
+class MappedSequences:
+    """Random access to sequences spread over memory-mapped shards: the index over them, and maps opened lazily
+    per shard (`_open`, by the subclass) so that a forked or spawned DataLoader worker maps the files itself."""
+
+    def _index_sequences(self, offsets: Sequence[np.ndarray], sample_ids: Sequence[np.ndarray]) -> None:
+        self.index = SequenceIndex(self.directory, offsets, sample_ids)
+        self.num_sequences, self.lengths, self.sample_ids = (
+            self.index.num_sequences, self.index.lengths, self.index.sample_ids,
+        )  # fmt: skip
+        self._maps: list[dict[str, torch.Tensor] | None] = [None] * len(offsets)
+
+    def __len__(self) -> int:
+        return self.num_sequences
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Maps are process-local: a pickled reader (spawned DataLoader worker) reopens them on first use.
+        return {**self.__dict__, "_maps": [None] * len(self._maps)}
+
+    def release(self) -> None:
+        """Drop this process's memory maps (a later read maps the file again): a deleted shard's disk is freed
+        only once no map holds it."""
+        self._maps = [None] * len(self._maps)
+
+    def _open(self, shard: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def sequence(self, i: int) -> dict[str, torch.Tensor]:
+        shard, begin, end = self.index.locate(i)
+        tensors = self._maps[shard] or self._open(shard)
+        return {name: tensor[begin:end] for name, tensor in tensors.items()}
+
+
+class ShardReader(MappedSequences):
     """Random access to the sequences of a complete extraction, in global order; or, given `shards`, to those of
     the listed shards (in that order) of a folder still being written (`manifest`: a snapshot of its manifest
     recording them; read from the folder when not given).
@@ -167,12 +209,8 @@ class ShardReader:
     ) -> None:
         self.directory = Path(directory)
         self.manifest = manifest or read_manifest(self.directory)
-        if shards is None and not self.manifest.complete:
-            raise DataError(
-                f"{self.directory}: extraction is incomplete (status {self.manifest.status!r}, "
-                f"{len(self.manifest.shards)} shards written so far); re-run the same `python extract.py ...` "
-                "command to finish it"
-            )
+        if shards is None:
+            require_complete(self.directory, self.manifest)
         recorded = self.manifest.shards
         unrecorded = [index for index in shards or () if not 0 <= index < len(recorded)]
         if unrecorded:
@@ -183,25 +221,7 @@ class ShardReader:
         # The shards read, in order.
         self.shards = list(recorded) if shards is None else [recorded[index] for index in shards]
         self._layouts = [_load_layout(self.directory, self.manifest, s, verify) for s in self.shards]
-        self.index = SequenceIndex(
-            self.directory, [x.seq_offsets for x in self._layouts], [x.sample_ids for x in self._layouts]
-        )
-        self.num_sequences, self.lengths, self.sample_ids = (
-            self.index.num_sequences, self.index.lengths, self.index.sample_ids,
-        )  # fmt: skip
-        self._maps: list[dict[str, torch.Tensor] | None] = [None] * len(self._layouts)
-
-    def __len__(self) -> int:
-        return self.num_sequences
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Maps are process-local: a pickled reader (spawned DataLoader worker) reopens them on first use.
-        return {**self.__dict__, "_maps": [None] * len(self._layouts)}
-
-    def release(self) -> None:
-        """Drop this process's memory maps (a later read maps the file again): a deleted shard's disk is freed
-        only once no map holds it."""
-        self._maps = [None] * len(self._layouts)
+        self._index_sequences([x.seq_offsets for x in self._layouts], [x.sample_ids for x in self._layouts])
 
     def _open(self, shard: int) -> dict[str, torch.Tensor]:
         layout = self._layouts[shard]
@@ -216,8 +236,3 @@ class ShardReader:
             tensors[name] = tensor.view(torch.bfloat16) if entry.dtype == "BF16" else tensor
         self._maps[shard] = tensors
         return tensors
-
-    def sequence(self, i: int) -> dict[str, torch.Tensor]:
-        shard, begin, end = self.index.locate(i)
-        tensors = self._maps[shard] or self._open(shard)
-        return {name: tensor[begin:end] for name, tensor in tensors.items()}

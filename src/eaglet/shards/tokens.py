@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +20,14 @@ from eaglet.errors import DataError
 from eaglet.fsutil import atomic_output, sha256_file
 from eaglet.shards.format import ShardInfo, shard_name
 from eaglet.shards.manifest import Manifest, read_manifest
-from eaglet.shards.reader import _NUMPY, SequenceIndex, _read_header, _read_small, _TensorEntry
+from eaglet.shards.reader import (
+    _NUMPY,
+    MappedSequences,
+    _read_header,
+    _read_small,
+    _TensorEntry,
+    require_complete,
+)
 
 TOKEN_FEATURES = "tokens"
 # The bytes of one token in a token store: int32 id + uint8 loss mask.
@@ -108,7 +114,7 @@ def _token_layout(directory: Path, info: ShardInfo) -> tuple[Path, int, dict[str
     return path, data_start, tensors
 
 
-class TokenReader:
+class TokenReader(MappedSequences):
     """Random access to the token streams of a complete token store or feature-shard folder, in global order.
 
     `sequence(i)` returns views into memory maps opened lazily per shard (and again in a forked or spawned
@@ -119,12 +125,7 @@ class TokenReader:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
-        if not self.manifest.complete:
-            raise DataError(
-                f"{self.directory}: extraction is incomplete (status {self.manifest.status!r}, "
-                f"{len(self.manifest.shards)} shards written so far); re-run the same `python extract.py ...` "
-                "command to finish it"
-            )
+        require_complete(self.directory, self.manifest)
         self.shards = list(self.manifest.shards)  # the shards read, in order (as ShardReader's)
         self._layouts = [_token_layout(self.directory, info) for info in self.shards]
         offsets = [_read_small(path, start, t["seq_offsets"]) for path, start, t in self._layouts]
@@ -132,17 +133,7 @@ class TokenReader:
         for (path, _, _), info, o in zip(self._layouts, self.manifest.shards, offsets, strict=True):
             if o[0] != 0 or o[-1] != info.num_tokens or np.any(np.diff(o) <= 0):
                 raise DataError(f"{path}: seq_offsets are not strictly increasing; {_RERUN}")
-        self.index = SequenceIndex(self.directory, offsets, ids)
-        self.num_sequences, self.lengths, self.sample_ids = (
-            self.index.num_sequences, self.index.lengths, self.index.sample_ids,
-        )  # fmt: skip
-        self._maps: list[dict[str, torch.Tensor] | None] = [None] * len(self._layouts)
-
-    def __len__(self) -> int:
-        return self.num_sequences
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": [None] * len(self._layouts)}  # maps are process-local
+        self._index_sequences(offsets, ids)
 
     def _open(self, shard: int) -> dict[str, torch.Tensor]:
         path, data_start, tensors = self._layouts[shard]
@@ -156,8 +147,3 @@ class TokenReader:
         }
         self._maps[shard] = opened
         return opened
-
-    def sequence(self, i: int) -> dict[str, torch.Tensor]:
-        shard, begin, end = self.index.locate(i)
-        tensors = self._maps[shard] or self._open(shard)
-        return {name: tensor[begin:end] for name, tensor in tensors.items()}
